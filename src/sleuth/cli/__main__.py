@@ -1,0 +1,5 @@
+import sys
+
+from sleuth.cli import main
+
+sys.exit(main())

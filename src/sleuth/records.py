@@ -1,0 +1,79 @@
+"""The typed records every stage passes on.
+
+tasks -> Problem; rollout -> Sample (token ids + logprobs); scoring fills Completion.reward;
+advantages fill Group.advantages; packing and the trainer read Groups.
+Token ids are kept exactly as sampled: nothing downstream re-tokenizes text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Message = dict[str, str]
+"""A chat message: {"role": "system" | "user" | "assistant", "content": str}."""
+
+FinishReason = Literal["stop", "length", "abort"]
+"""Why a sample ended: a stop token/string, the max-token limit, or aborted (degenerate / timed out)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One task instance: what the model sees and what its verifier needs."""
+
+    id: str
+    messages: list[Message]
+    """The prompt as chat messages; rendered with the tokenizer's chat template."""
+    answer: Any
+    """The reference the verifier checks against (a solution dict, an integer, ...)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Sample:
+    """One sampled continuation, as an engine returns it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    """The engine's logprob of each sampled token (same length as token_ids)."""
+    finish_reason: FinishReason
+    text: str
+    time_s: float = 0.0
+    """Wall time from the request's start until this sample finished."""
+
+
+@dataclass
+class Completion:
+    """A sample attached to its prompt, with its reward once scored."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    text: str
+    reward: float = 0.0
+    reward_info: dict[str, float] = field(default_factory=dict)
+    """Named reward terms and flags (e.g. {"verifier_error": 1.0}), logged separately."""
+
+
+@dataclass
+class Group:
+    """n completions of one prompt: the unit of group-relative advantages and of prompt sharing."""
+
+    problem: Problem
+    prompt_ids: list[int]
+    completions: list[Completion]
+    advantages: list[float] | None = None
+
+    @property
+    def rewards(self) -> list[float]:
+        return [c.reward for c in self.completions]

@@ -1,0 +1,33 @@
+"""The task interface: where problems come from and how a completion is verified."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from sleuth.records import Problem
+
+
+class Task(ABC):
+    """A source of problems plus a verifier.
+
+    `train_problem(i)` must be a pure function of i (and the task's settings), so a resumed run
+    that stored only its data position sees exactly the same problems.
+    """
+
+    name: str = "task"
+
+    @abstractmethod
+    def train_problem(self, index: int) -> Problem:
+        """The index-th training problem (an endless, deterministic stream)."""
+
+    @abstractmethod
+    def eval_problems(self) -> list[Problem]:
+        """The fixed held-out problems."""
+
+    @abstractmethod
+    def score(self, problem: Problem, completion: str) -> float:
+        """Reward in [0, 1] for a completion's text. May raise; callers score a raising verifier 0."""
+
+    def chance_reward(self, problem: Problem) -> float | None:
+        """Expected reward of a uniformly random valid answer, when the task knows it."""
+        return None

@@ -1,0 +1,117 @@
+"""A tiny random-init Llama-style model with a byte-level vocabulary and a ChatML template.
+
+For tests, smoke runs and benchmarks that must not depend on a real checkpoint:
+
+    python -m sleuth.testing.tiny_model OUT_DIR [--hidden 64 --layers 2 --seed 0]
+
+The tokenizer maps every byte to one token (256 ids) plus three special tokens, so any text
+round-trips exactly and sequences stay short enough for CPU tests at the small sizes used there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+IM_START, IM_END, EOT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+SPECIAL_TOKENS = [EOT, IM_START, IM_END]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_tokenizer():  # -> PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # Byte-level BPE with no merges: one token per byte, ids 0..255 in byte order after the
+    # GPT-2 byte-to-unicode mapping, special tokens appended after.
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda ch: _byte_of(ch))
+    vocab = {ch: i for i, ch in enumerate(byte_chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=IM_END, pad_token=EOT, bos_token=None, unk_token=None
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def _byte_of(ch: str) -> int:
+    # Inverse of GPT-2's bytes_to_unicode: printable bytes map to themselves, the rest to 256+.
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    code = ord(ch)
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]
+
+
+def build_model(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0,
+                vocab_size: int = 272, max_positions: int = 4096):  # -> LlamaForCausalLM
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=258,  # <|im_end|>: ids 256, 257, 258 are EOT, IM_START, IM_END
+        pad_token_id=256,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    # A slightly larger init than the default makes sampled outputs varied instead of near-uniform.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    return model
+
+
+def write_tiny_model(out_dir: str | Path, hidden: int = 64, layers: int = 2, heads: int = 4,
+                     kv_heads: int = 2, seed: int = 0) -> Path:
+    """Write model + tokenizer into out_dir (an HF folder transformers and vLLM load). Returns it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    assert tokenizer.convert_tokens_to_ids(IM_END) == 258, "special token ids moved"
+    model = build_model(hidden, layers, heads, kv_heads, seed)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    gen = {"eos_token_id": 258, "pad_token_id": 256}
+    (out / "generation_config.json").write_text(json.dumps(gen))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    a = parser.parse_args()
+    print(write_tiny_model(a.out_dir, a.hidden, a.layers, a.heads, a.kv_heads, a.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+import pytest
+
+from sleuth.config import Config, dump_config, load_config, valid_keys
+from sleuth.errors import ConfigError
+
+
+def test_defaults_and_overrides(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("trainer:\n  lr: 3.0e-4\nrollout:\n  samples_per_task: 4\n")
+    cfg = load_config(cfg_file, ["trainer.lr=1e-5", "model.lora.rank=8", "rollout.stop=['</answer>']"])
+    assert cfg.trainer.lr == 1e-5
+    assert cfg.rollout.samples_per_task == 4
+    assert cfg.model.lora.rank == 8
+    assert cfg.rollout.stop == ["</answer>"]
+    assert cfg.loop == Config().loop
+
+
+def test_unknown_key_names_nearest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'trainer.lrr' \(did you mean 'trainer.lr'\?\)"):
+        load_config(None, ["trainer.lrr=1"])
+    with pytest.raises(ConfigError, match="unknown config key 'trainr'"):
+        load_config(None, ["trainr.lr=1"])
+
+
+def test_mistyped_value_names_key():
+    with pytest.raises(ConfigError, match=r"config key 'trainer.lr'.*'abc'"):
+        load_config(None, ["trainer.lr=abc"])
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        load_config(None, ["rollout.engine=tgi"])
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(scalar)
+    with pytest.raises(ConfigError, match="not of the form"):
+        load_config(None, ["trainer.lr"])
+
+
+def test_dump_roundtrip(tmp_path):
+    cfg = load_config(None, ["loop.iterations=3"])
+    p = tmp_path / "out.yaml"
+    p.write_text(dump_config(cfg))
+    assert load_config(p) == cfg
+
+
+def test_every_field_documented():
+    from pydantic import BaseModel
+
+    def walk(model: type[BaseModel], prefix: str = ""):
+        for name, info in model.model_fields.items():
+            ann = info.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                yield from walk(ann, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}", info.description
+
+    undocumented = [k for k, d in walk(Config) if not d and k.split(".")[-1] not in {"temperature", "top_p", "betas", "warmup_steps", "weight_decay"}]
+    assert not undocumented, undocumented
+    assert "trainer.lr" in valid_keys()
