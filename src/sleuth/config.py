@@ -64,11 +64,25 @@ class TaskConfig(Section):
     eval_size: int = Field(16, ge=1)
     """How many held-out problems to evaluate on (the first N, fixed across the run)."""
     seed: int = 0
-    """Seed of the generated training stream (problem i uses a seed derived from this and i)."""
+    """Seed of the training stream: generated puzzle i uses a seed derived from this and i; problems
+    from a file are visited in epoch-wise permutations seeded by it."""
     dataset: str | None = None
     """reasoning_gym: the dataset name, e.g. knights_knaves."""
+    dataset_args: dict[str, Any] = Field(default_factory=dict)
+    """reasoning_gym: keyword arguments of the dataset's config, e.g. {n_people: 3} for knights_knaves."""
     verifier_timeout_s: float = Field(5.0, gt=0)
     """A verifier call that takes longer scores 0 and is counted."""
+    verifier: str | None = None
+    """User tasks: the verifier "module:function" (or "path/file.py:function"), called as
+    function(answer, completion_text) -> float. None: the task module's own `verify` function."""
+    verifier_isolation: Literal["process", "inline"] = "process"
+    """process: run verifiers in a worker process that is killed and restarted when a call
+    exceeds verifier_timeout_s (enforces the limit even on C-level hangs); inline: run them in the
+    calling process, limited by a SIGALRM timer (main thread only; cannot stop C code)."""
+    verifier_workers: int = Field(1, ge=1)
+    """Worker processes for verifiers in process isolation (more for slow verifiers like math)."""
+    system_prompt: str | None = None
+    """A system message put before every problem's prompt (None: the prompt is the only message)."""
 
 
 class RolloutConfig(Section):
@@ -83,15 +97,22 @@ class RolloutConfig(Section):
     stop: list[str] = Field(default_factory=list)
     """Extra stop strings (EOS always stops)."""
     max_concurrency: int | None = None
-    """Most sequences in flight at once; None sizes it from the engine's KV-cache capacity."""
-    early_stop_logprob: float | None = None
-    """Abort a sample when the moving average (decay 0.992) of its token logprobs falls below this."""
+    """Most sequences in flight at once; None: vLLM admits samples while their expected KV blocks
+    fit its cache (no preemption), the hf engine decodes 64 rows at a time."""
+    early_stop_logprob: float | None = Field(None, lt=0)
+    """Abort a sample when the moving average (decay 0.992, from 0) of its token logprobs falls below
+    this (the published run used -3); it ends with finish_reason "abort" and scores 0."""
     timeout_s: float = Field(1800.0, gt=0)
     """Timeout for one generation call or weight sync; a hang raises an error naming the step."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """vLLM on GPU: fraction of GPU memory for weights and KV cache."""
     kv_cache_gb: float = Field(2.0, gt=0)
     """vLLM on CPU: KV cache size in GiB."""
+    max_model_len: int | None = Field(None, ge=2)
+    """Context length (prompt + completion) of the engine; None: the model's own."""
+    native_lora: bool = False
+    """vLLM: serve the LoRA adapter with vLLM's own LoRA support (CPU and GPU) instead of syncing
+    merged full weights (the hf engine always merges)."""
 
 
 class AlgorithmConfig(Section):
@@ -109,8 +130,8 @@ class AlgorithmConfig(Section):
     """How token losses become one number: mean over all tokens of the batch, mean over sequences of
     per-sequence token means, or Dr.GRPO's sum divided by a constant (max_tokens x sequences)."""
     tis_cap: float | None = 2.0
-    """Truncated importance sampling cap C: weight tokens by min(exp(logp_old - logp_engine), C).
-    None disables it."""
+    """Truncated importance sampling cap C: weight tokens by min(exp(logp_old - logp_engine), C),
+    where logp_old is the trainer's own logprob before the update. None disables it."""
     drop_zero_advantage: bool = True
     """Drop groups whose advantages are all zero before packing (they carry no gradient)."""
 
@@ -121,12 +142,16 @@ class TrainerConfig(Section):
     schedule: Literal["constant", "warmup", "cosine"] = "constant"
     """constant; warmup (linear warm-up then constant); cosine (warm-up then cosine decay to 10%)."""
     warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warm-up (warmup and cosine schedules)."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2)."""
     grad_clip: float = Field(1.0, gt=0)
     """Clip the global gradient norm to this."""
     row_tokens: int = Field(4096, ge=16)
-    """Token budget of one packed row (prompt + completions); one forward/backward per row."""
+    """Token budget of one packed row (prompt + completions); one forward/backward per row.
+    A group larger than this is split (each part repeats the prompt)."""
     epochs_per_iteration: int = Field(1, ge=1)
     """Optimizer passes over each iteration's batch (more than one makes the PPO ratio matter)."""
     self_check: bool = True
@@ -140,6 +165,8 @@ class LoopConfig(Section):
     """Problems sampled per iteration (each gets samples_per_task completions)."""
     eval_every: int = Field(10, ge=0)
     """Evaluate on the held-out set every N iterations (0: only before and after training)."""
+    evaluate: bool = True
+    """Evaluate on the held-out set at all (before training, every eval_every, after); false skips it."""
     checkpoint_every: int = Field(5, ge=0)
     """Write a checkpoint every N iterations (0: only at the end)."""
     keep_checkpoints: int = Field(2, ge=1)
@@ -166,7 +193,10 @@ class LoggingConfig(Section):
     wandb: bool = False
     """Also log to Weights & Biases (needs wandb installed)."""
     mlflow: bool = False
-    """Also log to MLflow (needs mlflow installed)."""
+    """Also log to MLflow (needs mlflow installed); tracking URI from MLFLOW_TRACKING_URI, else
+    RUN_DIR/mlruns."""
+    project: str = "sleuth"
+    """Weights & Biases project and MLflow experiment name (the run is named after its directory)."""
     samples_per_eval: int = Field(4, ge=0)
     """Groups whose best and worst completions are kept as samples each evaluation."""
 

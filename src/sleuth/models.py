@@ -49,6 +49,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     # (transformers, vLLM) treat the folder as an ordinary checkpoint.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    # transformers 5 also keeps the GGUF quantizer on the model and refuses to save while it is set.
+    model.hf_quantizer = None
     model.config.name_or_path = SMOLLM2_ALIAS
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))

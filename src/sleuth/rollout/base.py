@@ -1,14 +1,39 @@
-"""The rollout interface: token ids in, sampled token ids + logprobs out, streamed per group."""
+"""The rollout interface: token ids in, sampled token ids + logprobs out, streamed per group.
+
+Conventions every engine keeps, so the trainer can compare against any of them:
+
+- `Sample.token_ids` are the sampled tokens exactly, including the EOS token or the token that
+  completed a stop string (the model must learn to emit them); `Sample.text` is their decoding
+  without special tokens.
+- `Sample.logprobs` are logprobs of the *raw* model (log-softmax of the unscaled logits, before
+  temperature and top-p), i.e. what the trainer computes at temperature 1. At temperature 1 and
+  top-p 1 that is exactly the distribution sampled from. (vLLM's `logprobs_mode="raw_logprobs"`.)
+- finish reasons: "stop" (EOS or stop string), "length" (max tokens, or the context is full),
+  "abort" (early-stopped as degenerate; such samples should score 0).
+- A request whose prompt leaves no room in the context, an empty prompt, max_tokens < 1 ... is
+  rejected with UserError before anything runs; every generation call and weight sync has a
+  timeout and raises RolloutTimeoutError naming the step instead of hanging.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import json
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
+from sleuth.errors import UserError
 from sleuth.records import Sample, SamplingParams
+
+T = TypeVar("T")
+
+EARLY_STOP_DECAY = 0.992
+"""Decay of the moving average of token logprobs used for early stopping of degenerate samples."""
 
 
 @dataclass(frozen=True)
@@ -28,12 +53,118 @@ class GenerationResult:
     time_s: float = 0.0
 
 
+class RolloutTimeoutError(RuntimeError):
+    """An engine step (a generation or a weight sync) did not finish within its timeout."""
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A LoRA adapter as the trainer holds it, without writing it to disk.
+
+    tensors: PEFT state-dict names (`...q_proj.lora_A.weight` [r, in], `...lora_B.weight` [out, r]),
+    any prefix before the HF module name (e.g. `base_model.model.`) is stripped.
+    """
+
+    tensors: Mapping[str, Any]
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...] = ()
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def deltas(self) -> dict[str, Any]:
+        """{HF weight name: scaling * B @ A} for every adapted module."""
+        pairs: dict[str, dict[str, Any]] = {}
+        for name, t in self.tensors.items():
+            for kind in ("lora_A", "lora_B"):
+                marker = f".{kind}."
+                if marker in name:
+                    module = name.split(marker)[0]
+                    module = module.removeprefix("base_model.model.")
+                    pairs.setdefault(module, {})[kind] = t
+        out = {}
+        for module, ab in pairs.items():
+            if set(ab) != {"lora_A", "lora_B"}:
+                raise UserError(f"LoRA adapter: module {module} lacks lora_A or lora_B")
+            out[f"{module}.weight"] = self.scaling * (ab["lora_B"].float() @ ab["lora_A"].float())
+        return out
+
+    def peft_config(self, base_model: str) -> dict[str, Any]:
+        modules = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in self.tensors})
+        return {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": self.rank, "lora_alpha": self.alpha, "lora_dropout": 0.0, "bias": "none",
+            "target_modules": list(self.target_modules) or modules,
+        }
+
+
+def check_request(request: GenerationRequest, context_len: int, vocab_size: int) -> int:
+    """Reject a malformed request with one clear UserError; return the effective max new tokens.
+
+    The completion is capped where the context ends (finish reason "length"), as vLLM does.
+    """
+    rid = request.request_id or "<unnamed>"
+    s = request.sampling
+    if not request.prompt_ids:
+        raise UserError(f"rollout request {rid}: empty prompt (no token ids)")
+    if request.n < 1:
+        raise UserError(f"rollout request {rid}: n must be >= 1, got {request.n}")
+    if s.max_tokens < 1:
+        raise UserError(f"rollout request {rid}: max_tokens must be >= 1, got {s.max_tokens}")
+    if s.temperature < 0:
+        raise UserError(f"rollout request {rid}: temperature must be >= 0, got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        raise UserError(f"rollout request {rid}: top_p must be in (0, 1], got {s.top_p}")
+    if any(not stop for stop in s.stop):
+        raise UserError(f"rollout request {rid}: empty stop string")
+    bad = [t for t in request.prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise UserError(f"rollout request {rid}: token id {bad[0]} outside the vocabulary (0..{vocab_size - 1})")
+    if len(request.prompt_ids) >= context_len:
+        raise UserError(
+            f"rollout request {rid}: prompt of {len(request.prompt_ids)} tokens leaves no room in the "
+            f"engine's context of {context_len} tokens"
+        )
+    return min(s.max_tokens, context_len - len(request.prompt_ids))
+
+
+def moving_average_below(logprobs: Iterable[float], threshold: float, state: float = 0.0) -> tuple[bool, float]:
+    """Early-stop rule: fold logprobs into m <- d*m + (1-d)*lp (m starts at 0, d = 0.992).
+
+    Starting at 0 rather than bias-correcting acts as a warm-up: a sample needs a sustained run of
+    unlikely tokens (about 90 tokens at logprob -6 for threshold -3) before it is called degenerate.
+    Returns (fell below threshold at any point, new state).
+    """
+    m = state
+    below = False
+    for lp in logprobs:
+        m = EARLY_STOP_DECAY * m + (1 - EARLY_STOP_DECAY) * lp
+        below = below or m < threshold
+    return below, m
+
+
 class RolloutEngine(ABC):
-    """An inference engine behind one small async interface."""
+    """An inference engine behind one small async interface.
+
+    Subclasses run all model work on one worker thread (`self._worker`), so generation and weight
+    syncs never interleave, and the caller waits on it with a timeout.
+    """
+
+    model_path: str = ""
+    timeout_s: float = 1800.0
+    context_len: int = 0
+
+    def __init__(self) -> None:
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+        self._base_weights: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ generation
 
     @abstractmethod
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        """All n samples of one request."""
+        """All n samples of one request (raises RolloutTimeoutError after timeout_s)."""
 
     async def stream(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[GenerationResult]:
         """Results per group in the order they finish, so scoring can start early."""
@@ -53,9 +184,69 @@ class RolloutEngine(ABC):
 
         return asyncio.run(run())
 
+    # ------------------------------------------------------------------ weights
+
     @abstractmethod
     def sync_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        """Replace the engine's weights in place with the trainer's (full, HF parameter names)."""
+        """Replace the engine's weights in place with the trainer's (full, HF parameter names).
+
+        Waits for generation in flight to finish first; raises RolloutTimeoutError after timeout_s.
+        """
+
+    @property
+    def native_lora(self) -> bool:
+        """True where the engine serves a LoRA adapter itself (vLLM with rollout.native_lora)."""
+        return False
+
+    def sync_lora(self, adapter: LoraAdapter | None) -> None:
+        """Serve the model with this LoRA adapter from now on (None: the base model alone), without
+        a checkpoint or a restart.
+
+        Default (the transformers engine; vLLM without rollout.native_lora): merge it into the base
+        weights read once from the model folder (a LoRA run never changes them) and sync the merged
+        full weights.
+        """
+        base = self.base_weights()
+        deltas = adapter.deltas() if adapter is not None else {}
+        missing = sorted(set(deltas) - set(base))
+        if missing:
+            raise UserError(f"LoRA adapter targets {missing[0]}, which the model in {self.model_path} lacks")
+        merged = (
+            (name, (t.float() + deltas[name]).to(t.dtype) if name in deltas else t) for name, t in base.items()
+        )
+        self.sync_weights(merged)
+
+    def base_weights(self) -> dict[str, Any]:
+        """The weights in the model folder (HF names), loaded once and kept on CPU."""
+        if self._base_weights is None:
+            from safetensors.torch import load_file
+
+            folder = Path(self.model_path)
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise UserError(f"model folder {folder} has no .safetensors weights to merge a LoRA adapter into")
+            weights: dict[str, Any] = {}
+            for f in files:
+                weights.update(load_file(f))
+            self._base_weights = weights
+        return self._base_weights
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _wait(self, fut: concurrent.futures.Future[T], step: str, timeout: float | None = None) -> T:
+        """Block on a worker future; a timeout raises an error that names the step."""
+        limit = self.timeout_s if timeout is None else timeout
+        try:
+            return fut.result(timeout=limit)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise RolloutTimeoutError(
+                f"{type(self).__name__}: {step} did not finish within {limit:g} s (rollout.timeout_s)"
+            ) from None
+
+    def _call(self, fn: Callable[[], T], step: str) -> T:
+        """Run fn on the model's thread, after the work queued before it; wait at most timeout_s."""
+        return self._wait(self._worker.submit(fn), step)
 
     def stats(self) -> dict[str, float]:
         """Counters since start (preemptions, aborted samples, tokens, ...)."""
@@ -63,3 +254,47 @@ class RolloutEngine(ABC):
 
     def close(self) -> None:
         """Release the engine's resources."""
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """A well-mixed seed for sample `index` of a request seeded `seed` (so requests seeded 0 and 1
+    do not share samples, as seed + index would make them)."""
+    return (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) % (2**63 - 1)
+
+
+def resolve_future(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], result: Any = None,
+                   exc: BaseException | None = None) -> None:
+    """Complete a caller's asyncio future from the model's thread."""
+
+    def set_it() -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    # RuntimeError: the caller's event loop is gone (it timed out and returned).
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(set_it)
+
+
+def write_adapter(adapter: LoraAdapter, folder: Path, base_model: str) -> Path:
+    """The adapter as a PEFT folder (vLLM's LoRA loader reads only paths); kept in RAM-backed tmp."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in adapter.tensors.items():
+        key = name if name.startswith("base_model.model.") else f"base_model.model.{name}"
+        tensors[key.replace(".default.", ".")] = t.detach().contiguous().cpu()
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(adapter.peft_config(base_model)))
+    return folder

@@ -68,7 +68,8 @@ def build_model(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
+        # vLLM's CPU attention kernels support head sizes from 32 up, so never go below 32.
+        head_dim=max(32, hidden // heads),
         max_position_embeddings=max_positions,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,

@@ -1,0 +1,146 @@
+"""Training-step benchmark: shared-prompt packing vs the naive padded layout, on SmolLM2-135M.
+
+    .venv/bin/python bench/train_step.py [--modes lora,full] [--shapes clue,aime] [--reps 1]
+
+Batches of 8 groups x 8 completions with random token ids:
+  clue: prompt 1,000 tokens, completions 200 tokens (Temporal-Clue-shaped)
+  aime: prompt 150 tokens, completions 1,000 tokens (AIME-shaped)
+"packed" is sleuth's Trainer.step (rows of [prompt | c1 | c2 ...], structured attention).
+"naive" is the layout TRL uses: every completion with its full prompt, padded to the longest,
+in micro-batches, with the same chunked logprobs, loss and AdamW step.
+MFU is 6 x matmul parameters x tokens / time, against a bf16 matmul measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import resource
+import time
+
+import torch
+
+from sleuth.config import AlgorithmConfig, LoraConfig, ModelConfig, TrainerConfig
+from sleuth.records import Completion, Group, Problem
+from sleuth.train.losses import aggregation_weights, ppo_clip
+from sleuth.train.optim import measure_matmul_flops
+from sleuth.train.packing import pack_groups
+from sleuth.train.policy import Policy, token_logprobs
+from sleuth.train.step import Trainer
+
+SHAPES = {"clue": (1000, 200), "aime": (150, 1000)}
+PER_GROUP = 8
+
+
+def make_groups(n_groups: int, prompt_len: int, completion_len: int, vocab: int, seed: int) -> list[Group]:
+    rng = random.Random(seed)
+    groups = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+        comps = [Completion(prompt, [rng.randrange(vocab) for _ in range(completion_len)],
+                            [-rng.uniform(5, 12) for _ in range(completion_len)], "length", "")
+                 for _ in range(PER_GROUP)]
+        adv = [rng.uniform(-1, 1) for _ in comps]
+        groups.append(Group(Problem(f"g{g}", [], None), prompt, comps, adv))
+    return groups
+
+
+def naive_step(trainer: Trainer, groups: list[Group], micro_batch: int) -> tuple[float, int]:
+    """One optimizer step over every completion as [prompt | completion], right-padded. -> (s, tokens)."""
+    policy, algo = trainer.policy, trainer.algo
+    lm = policy.causal_lm
+    seqs = [(g.prompt_ids, c, g.advantages[i]) for g in groups for i, c in enumerate(g.completions)]
+    lengths = torch.tensor([len(c.completion_ids) for _, c, _ in seqs])
+    weight = aggregation_weights(lengths, algo.aggregation, trainer.max_tokens)
+    width = max(len(p) + len(c.completion_ids) for p, c, _ in seqs)
+    start = time.perf_counter()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    for b in range(0, len(seqs), micro_batch):
+        chunk = seqs[b : b + micro_batch]
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        pred, targets, adv, engine, w = [], [], [], [], []
+        for r, (prompt, comp, a) in enumerate(chunk):
+            full = prompt + comp.completion_ids
+            ids[r, : len(full)] = torch.tensor(full)
+            mask[r, : len(full)] = 1
+            n, p = len(comp.completion_ids), len(prompt)
+            pred.extend(r * width + p - 1 + k for k in range(n))
+            targets.extend(comp.completion_ids)
+            adv.extend([a] * n)
+            engine.extend(comp.logprobs)
+            w.extend([float(weight[b + r])] * n)
+        hidden = lm.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, torch.tensor(pred))
+        logp, _ = token_logprobs(hidden, lm.get_output_embeddings(), torch.tensor(targets))
+        old = logp.detach()
+        tis = torch.exp(old - torch.tensor(engine)).clamp(max=algo.tis_cap or float("inf"))
+        pl = ppo_clip(logp, old, torch.tensor(adv), torch.zeros(len(adv), dtype=torch.long),
+                      algo.clip_low, algo.clip_high)
+        (torch.tensor(w) * pl.token_loss * tis).sum().backward()
+    torch.nn.utils.clip_grad_norm_(trainer.params, trainer.cfg.grad_clip)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start, len(seqs) * width
+
+
+def rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", default="lora,full")
+    ap.add_argument("--shapes", default="clue,aime")
+    ap.add_argument("--reps", type=int, default=1, help="timed steps per layout (the best is kept)")
+    ap.add_argument("--row-tokens", type=int, default=4096)
+    ap.add_argument("--micro-batch", type=int, default=2, help="naive layout: sequences per forward")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--groups", type=int, default=8, help="groups of 8 completions (8 for the headline)")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    peak = measure_matmul_flops(torch.bfloat16, "cpu", n=2048, reps=3)
+    print(f"# bf16 matmul peak (2048^3, measured now): {peak / 1e12:.3f} TFLOP/s; threads={torch.get_num_threads()}",
+          flush=True)
+    print("| mode | shape | layout | tokens | step s | tokens/s | MFU | self-check max / mean abs dlogp | peak RSS GB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    speedup: dict[str, float] = {}
+    mfu_clue = 0.0
+    for mode in a.modes.split(","):
+        cfg = ModelConfig(path=a.model, dtype="bfloat16", lora=LoraConfig(enabled=mode == "lora"))
+        policy = Policy.from_config(cfg, need_reference=False, device="cpu")
+        body, head = policy.matmul_parameters()
+        vocab = int(policy.causal_lm.config.vocab_size)
+        for shape in a.shapes.split(","):
+            p_len, c_len = SHAPES[shape]
+            groups = make_groups(a.groups, p_len, c_len, vocab, seed=1)
+            trainer = Trainer(policy, AlgorithmConfig(),
+                              TrainerConfig(lr=1e-7, row_tokens=a.row_tokens, self_check=False),
+                              max_tokens=c_len, peak_flops=peak)
+            check = trainer.self_check(groups, pack_groups(groups, a.row_tokens))
+            diff = f"{check['self_check_max_diff']:.3g} / {check['self_check_mean_diff']:.3g}"
+            best = None
+            for _ in range(a.reps):
+                m = trainer.step(groups)
+                if best is None or m["step_time_s"] < best["step_time_s"]:
+                    best = m
+            assert best is not None
+            comp_tokens = a.groups * PER_GROUP * c_len
+            t_packed = best["step_time_s"]
+            print(f"| {mode} | {shape} | packed | {int(best['tokens'])} | {t_packed:.2f} | "
+                  f"{best['tokens_per_s']:.0f} | {best['mfu']:.3f} | {diff} | {rss_gb():.2f} |", flush=True)
+            t_naive, naive_tokens = min(naive_step(trainer, groups, a.micro_batch) for _ in range(a.reps))
+            mfu_naive = 6 * (body * naive_tokens + head * comp_tokens) / t_naive / peak
+            print(f"| {mode} | {shape} | naive | {naive_tokens} | {t_naive:.2f} | "
+                  f"{naive_tokens / t_naive:.0f} | {mfu_naive:.3f} | - | {rss_gb():.2f} |", flush=True)
+            key = shape if mode == "lora" else f"{shape}_full"
+            speedup[key] = t_naive / t_packed
+            if shape == "clue" and (mode == "full" or not mfu_clue):
+                mfu_clue = best["mfu"]
+        del policy
+    heads = " ".join(f"{k}_speedup={v:.2f}" for k, v in speedup.items())
+    print(f"{heads} mfu={mfu_clue:.3f} peak_rss_gb={rss_gb():.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""`sleuth export RUN_DIR --out DIR [--checkpoint latest|best|NAME]`: a merged HF model folder."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from sleuth.errors import UserError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "export",
+        help="write a run's trained weights as a plain HF model folder (LoRA merged)",
+        description="Load a checkpoint of RUN_DIR onto its base model and write the merged weights, "
+        "config and tokenizer to DIR, a folder that transformers and vLLM load directly.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist or be empty)")
+    p.add_argument("--checkpoint", default="latest", metavar="WHICH",
+                   help="latest (default), best (by validation reward), or a checkpoint folder name")
+    p.set_defaults(func=run)
+
+
+def export_checkpoint(run_dir: Path, which: str, out: Path, cfg: Any = None) -> Path:
+    """Merge checkpoint `which` of run_dir into a new HF folder at `out` (written atomically)."""
+    from sleuth.checkpoint import CheckpointManager
+    from sleuth.cli.train import run_config
+    from sleuth.train.policy import Policy
+
+    cfg = cfg if cfg is not None else run_config(run_dir)
+    checkpoint = CheckpointManager(run_dir / "checkpoints").find(which)
+    policy = Policy.from_config(cfg.model, need_reference=False, device="cpu")
+    policy.load_weights(checkpoint.path / "policy")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    try:
+        policy.export_merged(tmp)
+        if out.exists():
+            out.rmdir()  # only ever an empty folder here: run() refuses non-empty ones
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir, out = Path(args.run_dir), Path(args.out)
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(f"{run_dir} is not a sleuth run directory (no config.yaml)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} already exists and is not an empty folder")
+    export_checkpoint(run_dir, args.checkpoint, out)
+    print(out)
+    return 0

@@ -1,0 +1,178 @@
+"""Held-out evaluation: k samples per problem, then avg@k, pass@k and maj@k with standard errors.
+
+    with VerifierRunner.from_config(task, cfg.task) as verifier:
+        result = evaluate(engine, task, tokenizer, problems, 8, SamplingParams(...), verifier)
+    result.avg, result.avg_se, result.pass_k, result.maj, result.chance
+
+- avg@k: mean reward of the k samples, averaged over problems.
+- pass@k: chance that at least one of k samples is fully correct (reward 1), with the unbiased
+  estimator 1 - C(n-c, k) / C(n, k) over n >= k samples of which c are correct.
+- maj@k: reward of the most frequent answer among the k samples (majority vote). Answers are
+  compared by the task's `answer_key(problem, text)` when it has one, else by the stripped text.
+- Standard errors are over problems: sample std (ddof 1) / sqrt(number of problems).
+- chance: the mean over problems of the task's expected reward for uniformly random valid
+  answers, when the task knows it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from sleuth.models import encode_chat
+from sleuth.records import Completion, Group, Problem, SamplingParams
+from sleuth.rollout.base import GenerationRequest, RolloutEngine
+from sleuth.scoring import VerifierRunner, chance_level, score_groups
+from sleuth.tasks.base import Task
+
+CORRECT = 1.0 - 1e-9
+"""A sample counts as correct for pass@k when its reward reaches 1 (up to rounding)."""
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    # The product form avoids huge binomials: C(n-c,k)/C(n,k) = prod_{i=n-c+1}^{n} (1 - k/i).
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def majority_reward(rewards: Sequence[float], keys: Sequence[Hashable | None]) -> float:
+    """Reward of the most common answer key; ties go to the key seen first; no answer scores 0."""
+    counts = Counter(k for k in keys if k is not None)
+    if not counts:
+        return 0.0
+    top = max(counts.values())
+    winner = next(k for k in keys if k is not None and counts[k] == top)
+    return rewards[list(keys).index(winner)]
+
+
+def mean_se(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error (sample std / sqrt(n)); the error is 0 for fewer than 2 values."""
+    n = len(values)
+    if n == 0:
+        return 0.0, 0.0
+    mean = sum(values) / n
+    if n < 2:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+@dataclass
+class EvalResult:
+    k: int
+    problems: int
+    avg: float
+    avg_se: float
+    pass_k: float
+    pass_se: float
+    maj: float
+    maj_se: float
+    mean_completion_tokens: float
+    chance: float | None
+    mean_prompt_tokens: float = 0.0
+    time_s: float = 0.0
+    per_problem: list[float] = field(default_factory=list)
+    """avg@k of each problem, in order (paired comparisons between two evaluations)."""
+    records: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+    def summary(self) -> dict[str, Any]:
+        """Everything but the per-sample records (what summary.json and metrics hold)."""
+        out = asdict(self)
+        out.pop("records")
+        return out
+
+    def line(self) -> str:
+        k = self.k
+        return f"avg@{k}={self.avg:.4f} pass@{k}={self.pass_k:.4f} maj@{k}={self.maj:.4f}"
+
+
+def summarize(
+    rewards: Sequence[Sequence[float]],
+    keys: Sequence[Sequence[Hashable | None]],
+    k: int,
+    completion_tokens: Sequence[Sequence[int]] = (),
+    chance: float | None = None,
+) -> EvalResult:
+    """The metrics from per-problem rewards and answer keys (n >= k samples per problem)."""
+    avgs, passes, majs = [], [], []
+    for r, key in zip(rewards, keys, strict=True):
+        n = len(r)
+        if n < k:
+            raise ValueError(f"a problem has {n} samples, fewer than k={k}")
+        avgs.append(sum(r) / n)
+        passes.append(pass_at_k(n, sum(1 for x in r if x >= CORRECT), k))
+        majs.append(majority_reward(r[:k], key[:k]))
+    tokens = [t for per in completion_tokens for t in per]
+    avg, avg_se = mean_se(avgs)
+    pk, pk_se = mean_se(passes)
+    mj, mj_se = mean_se(majs)
+    return EvalResult(
+        k=k, problems=len(avgs), avg=avg, avg_se=avg_se, pass_k=pk, pass_se=pk_se, maj=mj, maj_se=mj_se,
+        mean_completion_tokens=sum(tokens) / len(tokens) if tokens else 0.0, chance=chance,
+        per_problem=avgs,
+    )
+
+
+def answer_key_fn(task: Task) -> Callable[[Problem, str], Hashable | None]:
+    """The task's answer key for majority votes, or the stripped completion text."""
+    fn = getattr(task, "answer_key", None)
+    if callable(fn):
+        return fn
+    return lambda _problem, text: text.strip() or None
+
+
+def evaluate(
+    engine: RolloutEngine,
+    task: Task,
+    tokenizer: Any,
+    problems: Sequence[Problem],
+    k: int,
+    sampling: SamplingParams,
+    verifier: VerifierRunner,
+    seed: int = 0,
+) -> EvalResult:
+    """Sample k completions per problem, score them, and summarize. Deterministic for a seed.
+
+    Each request gets its own sampling seed (seed + problem position), so results do not depend
+    on how the engine batches them; a verifier that fails scores 0 (see sleuth.scoring).
+    """
+    start = time.perf_counter()
+    prompts = [encode_chat(tokenizer, p.messages) for p in problems]
+    requests = [
+        GenerationRequest(ids, n=k, sampling=replace(sampling, seed=seed + i), request_id=p.id)
+        for i, (p, ids) in enumerate(zip(problems, prompts, strict=True))
+    ]
+    results = engine.generate_all(requests)
+    groups = [
+        Group(problem=p, prompt_ids=ids, completions=[
+            Completion(prompt_ids=ids, completion_ids=list(s.token_ids), logprobs=list(s.logprobs),
+                       finish_reason=s.finish_reason, text=s.text) for s in r.samples])
+        for p, ids, r in zip(problems, prompts, results, strict=True)
+    ]
+    score_groups(verifier, groups)
+    key_of = answer_key_fn(task)
+    rewards, keys, tokens, records = [], [], [], []
+    for g in groups:
+        key = [key_of(g.problem, c.text) for c in g.completions]
+        rewards.append(g.rewards)
+        keys.append(key)
+        tokens.append([len(c.completion_ids) for c in g.completions])
+        for j, c in enumerate(g.completions):
+            records.append({
+                "problem_id": g.problem.id, "sample": j, "reward": c.reward, "tokens": len(c.completion_ids),
+                "finish_reason": c.finish_reason, "verifier_error": c.reward_info.get("verifier_error", 0.0),
+                "answer_key": None if key[j] is None else str(key[j]), "text": c.text,
+            })
+    out = summarize(rewards, keys, k, tokens, chance_level(task, problems))
+    out.records = records
+    out.mean_prompt_tokens = sum(map(len, prompts)) / max(len(prompts), 1)
+    out.time_s = time.perf_counter() - start
+    return out

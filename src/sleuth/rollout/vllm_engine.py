@@ -1,0 +1,424 @@
+"""The vLLM rollout engine: in-process vLLM (V1 `LLMEngine`) driven by one thread of ours.
+
+Why a driver thread of our own rather than `AsyncLLM`: we step the engine ourselves, so we decide
+which samples enter (the KV-cache limiter, see limiter.py, so nothing is preempted), can abort a
+degenerate sample between two steps (early stop), and can run a weight sync exactly between the
+rollouts of two iterations. Everything touching vLLM runs on that thread; callers wait on futures
+with a timeout, so a hung step raises RolloutTimeoutError naming it instead of hanging.
+
+Each of a group's n samples is its own vLLM request (its own seed, see sample_seed): prefix caching
+shares the prompt's KV blocks among them, and one sample can be aborted alone.
+
+Weights: on CPU `collective_rpc("reload_weights")` (vLLM's CPU backend repacks weights for oneDNN,
+so plain `load_weights` on the live model breaks them); on GPU the model's own `load_weights`
+through `apply_model`. The prefix cache is reset after every sync (its KV was computed by the old
+weights). LoRA (rollout.native_lora): vLLM serves the adapter itself, reloaded in place from a
+folder in /dev/shm on every sync (vLLM's LoRA loader only reads paths; this works on CPU too);
+otherwise the adapter is merged into full weights and synced as such.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sleuth.errors import UserError
+from sleuth.records import FinishReason, Sample
+from sleuth.rollout.base import (
+    GenerationRequest,
+    GenerationResult,
+    LoraAdapter,
+    RolloutEngine,
+    RolloutTimeoutError,
+    check_request,
+    moving_average_below,
+    resolve_future,
+    sample_seed,
+    write_adapter,
+)
+from sleuth.rollout.limiter import KVLimiter
+
+GiB = 1024**3
+
+
+@dataclass
+class _Group:
+    request: GenerationRequest
+    gid: str
+    max_new: int
+    seed: int
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[GenerationResult]
+    start: float
+    samples: list[Sample | None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _Active:
+    group: _Group
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    average: float = 0.0  # early-stop moving average
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    future: Future[Any]
+
+
+class VLLMEngine(RolloutEngine):
+    def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0,
+                 context_len: int | None = None, kv_cache_gb: float = 2.0,
+                 gpu_memory_utilization: float = 0.5, max_concurrency: int | None = None,
+                 early_stop_logprob: float | None = None, timeout_s: float = 1800.0,
+                 enable_lora: bool = False, max_lora_rank: int = 64, enforce_eager: bool | None = None,
+                 startup_timeout_s: float = 900.0) -> None:
+        super().__init__()
+        # In-process engine core: no extra process to start, and weights can be handed over as
+        # tensors. Must be set before vllm is imported.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from sleuth.models import load_tokenizer, resolve_model_path
+
+        self.model_path = str(resolve_model_path(model_path))
+        self.seed = seed
+        self.timeout_s = timeout_s
+        self.early_stop_logprob = early_stop_logprob
+        self.tokenizer = load_tokenizer(self.model_path)
+        self._args = dict(
+            model=self.model_path, dtype=dtype, seed=seed, max_model_len=context_len,
+            enable_prefix_caching=True, enforce_eager=enforce_eager, disable_log_stats=False,
+            max_num_seqs=max_concurrency or 256, enable_lora=enable_lora, max_lora_rank=max_lora_rank,
+        )
+        self._kv_cache_gb = kv_cache_gb
+        self._gpu_memory_utilization = gpu_memory_utilization
+        self._max_concurrency = max_concurrency
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._counter = itertools.count()
+        self._counts = {"samples": 0, "tokens": 0, "aborted": 0, "preemptions": 0,
+                        "prefix_queries": 0, "prefix_hits": 0, "syncs": 0}
+        self._lora_request: Any = None
+        self._lora_dir: Path | None = None
+        self._closed = False
+        self._error: BaseException | None = None
+        self._wait(self._worker.submit(self._start), "vLLM engine start-up", startup_timeout_s)
+        self._loop_future = self._worker.submit(self._loop)
+
+    # ------------------------------------------------------------------ start-up
+
+    def _start(self) -> None:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.on_cpu = current_platform.is_cpu()
+        args = dict(self._args)
+        if self.on_cpu:
+            args["kv_cache_memory_bytes"] = int(self._kv_cache_gb * GiB)
+        else:
+            args["gpu_memory_utilization"] = self._gpu_memory_utilization
+        if args["enforce_eager"] is None:
+            # GPU: CUDA graphs pay off at once. CPU: compiling costs start-up time on every run.
+            args["enforce_eager"] = self.on_cpu
+        try:
+            self._engine = LLMEngine.from_engine_args(
+                EngineArgs(**args), stat_loggers=[self._stat_logger_factory()]
+            )
+        except (OSError, ValueError) as e:
+            raise UserError(f"vLLM cannot load the model in {self.model_path}: {str(e).splitlines()[0]}") from None
+        cfg = self._engine.vllm_config
+        self.context_len = int(cfg.model_config.max_model_len)
+        self.vocab_size = int(cfg.model_config.get_vocab_size())
+        cache = cfg.cache_config
+        max_seqs = cfg.scheduler_config.max_num_seqs
+        # vLLM's block pool keeps one block aside as its "null block".
+        usable = int(cache.num_gpu_blocks) - 1
+        self.limiter = KVLimiter(usable, int(cache.block_size), max_sequences=max_seqs)
+
+    def _stat_logger_factory(self) -> Callable[[Any, int], Any]:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        counts = self._counts
+
+        class _Counter(StatLoggerBase):
+            """Reads vLLM's per-step stats objects: preemptions and prefix-cache hits."""
+
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                       engine_idx: int = 0) -> None:
+                if iteration_stats is not None:
+                    counts["preemptions"] += iteration_stats.num_preempted_reqs
+                if scheduler_stats is not None:
+                    counts["prefix_queries"] += scheduler_stats.prefix_cache_stats.queries
+                    counts["prefix_hits"] += scheduler_stats.prefix_cache_stats.hits
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Counter
+
+    # ------------------------------------------------------------------ interface
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        self._check_alive()
+        max_new = check_request(request, self.context_len, self.vocab_size)
+        seed = request.sampling.seed
+        if seed is None:
+            seed = self.seed * 1_000_003 + next(self._counter) * 1009
+        loop = asyncio.get_running_loop()
+        group = _Group(request, f"g{next(self._counter)}", max_new, seed, loop, loop.create_future(),
+                       time.perf_counter(), [None] * request.n)
+        self._inbox.put(group)
+        try:
+            return await asyncio.wait_for(asyncio.shield(group.future), self.timeout_s)
+        except TimeoutError:
+            group.cancelled.set()
+            raise RolloutTimeoutError(
+                f"VLLMEngine: generation of request {request.request_id or group.gid} did not finish "
+                f"within {self.timeout_s:g} s (rollout.timeout_s)"
+            ) from None
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        tensors = list(named_tensors)
+        self._call(lambda: self._load(tensors), "weight sync (sync_weights)")
+
+    @property
+    def native_lora(self) -> bool:
+        return bool(self._args["enable_lora"])
+
+    def sync_lora(self, adapter: LoraAdapter | None) -> None:
+        if not self.native_lora:
+            super().sync_lora(adapter)  # merged into full weights
+            return
+
+        def load() -> None:
+            from vllm.lora.request import LoRARequest
+
+            self._engine.reset_prefix_cache()
+            if adapter is None:
+                if self._lora_request is not None:
+                    self._engine.remove_lora(self._lora_request.lora_int_id)
+                self._lora_request = None
+                return
+            if self._lora_dir is None:
+                shm = Path("/dev/shm")
+                self._lora_dir = Path(tempfile.mkdtemp(prefix="sleuth-lora-", dir=shm if shm.is_dir() else None))
+            write_adapter(adapter, self._lora_dir, self.model_path)
+            # load_inplace: the same adapter id is reloaded from the folder, replacing the old one.
+            self._lora_request = LoRARequest("policy", 1, str(self._lora_dir), load_inplace=True)
+            self._engine.add_lora(self._lora_request)
+            self._engine.reset_prefix_cache()  # again: the old adapter's KV may be cached under this id
+            self._counts["syncs"] += 1
+
+        self._call(load, "LoRA sync (sync_lora)")
+
+    def stats(self) -> dict[str, float]:
+        lim = self.limiter
+        out = {k: float(v) for k, v in self._counts.items()}
+        out.update(kv_blocks=float(lim.total_blocks), block_size=float(lim.block_size),
+                   peak_in_flight=float(lim.peak_in_flight),
+                   mean_completion=float(lim.mean_completion or 0.0),
+                   prefix_hit_rate=self._counts["prefix_hits"] / max(1, self._counts["prefix_queries"]))
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(None)
+        try:
+            self._loop_future.result(timeout=60)
+            self._engine.engine_core.shutdown()
+        except Exception:  # closing is best effort; the process may be exiting anyway
+            pass
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
+        super().close()
+
+    # ------------------------------------------------------------------ driver thread
+
+    def _call(self, fn: Callable[[], Any], step: str) -> Any:
+        """Run fn on the driver thread once the rollouts queued before it have finished."""
+        self._check_alive()
+        fut: Future[Any] = Future()
+        self._inbox.put(_Call(fn, fut))
+        return self._wait(fut, step)
+
+    def _load(self, tensors: list[tuple[str, Any]]) -> None:
+        if self.on_cpu:
+            self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+        else:
+            import torch
+
+            def load(model: Any) -> None:
+                device = next(model.parameters()).device
+                model.load_weights((n, t.to(device)) for n, t in tensors)
+                torch.cuda.synchronize(device)
+
+            self._engine.apply_model(load)
+        self._engine.reset_prefix_cache()
+        self._counts["syncs"] += 1
+
+    def _loop(self) -> None:
+        try:
+            self._drive()
+        except BaseException as e:
+            # Fail fast from now on: callers get this error instead of waiting for a timeout.
+            self._error = e
+            while True:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, _Call):
+                    item.future.set_exception(e)
+                elif item is not None:
+                    resolve_future(item.loop, item.future, exc=e)
+            raise
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise RuntimeError("VLLMEngine is closed")
+        if self._error is not None:
+            raise RuntimeError(f"VLLMEngine stopped after an error: {self._error!r}") from self._error
+
+    def _drive(self) -> None:
+        pending: deque[tuple[_Group, int]] = deque()  # samples waiting for KV room
+        held: list[_Group] = []  # groups that arrived after a call (a sync) still waiting to run
+        calls: list[_Call] = []
+        active: dict[str, _Active] = {}
+        while True:
+            idle = not active and not pending and not calls
+            try:
+                item = self._inbox.get(timeout=0.05) if idle else self._inbox.get_nowait()
+            except queue.Empty:
+                item = False
+            while item is not False:
+                if item is None:  # close()
+                    for g, _ in pending:
+                        resolve_future(g.loop, g.future, exc=RuntimeError("VLLMEngine closed"))
+                    return
+                if isinstance(item, _Call):
+                    calls.append(item)
+                elif calls:
+                    held.append(item)
+                else:
+                    pending.extend((item, i) for i in range(item.request.n))
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    item = False
+            self._drop_cancelled(pending, active)
+            if calls and not active and not pending:
+                # A barrier: everything queued before it has finished; run it, then what came after.
+                for c in calls:
+                    if c.future.set_running_or_notify_cancel():
+                        try:
+                            c.future.set_result(c.fn())
+                        except BaseException as e:
+                            c.future.set_exception(e)
+                calls.clear()
+                pending.extend((g, i) for g in held for i in range(g.request.n))
+                held.clear()
+                continue
+            self._admit(pending, active)
+            if active:
+                try:
+                    outputs = self._engine.step()
+                except BaseException as e:  # hand the failure to every caller waiting on it
+                    self._error = e  # first, so no new caller queues behind a dead loop
+                    waiting = [a.group for a in active.values()] + [g for g, _ in pending] + held
+                    for g in waiting:
+                        resolve_future(g.loop, g.future, exc=e)
+                    for c in calls:
+                        c.future.set_exception(e)
+                    raise
+                self._process(outputs, active)
+
+    def _admit(self, pending: deque[tuple[_Group, int]], active: dict[str, _Active]) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        while pending:
+            g, i = pending[0]
+            key = f"{g.gid}-{i}"
+            plen = len(g.request.prompt_ids)
+            if not self.limiter.try_acquire(key, g.gid, plen, g.max_new):
+                return
+            pending.popleft()
+            s = g.request.sampling
+            params = SamplingParams(
+                n=1, temperature=s.temperature, top_p=s.top_p, max_tokens=g.max_new, stop=list(s.stop),
+                include_stop_str_in_output=True, seed=sample_seed(g.seed, i), logprobs=0,
+                output_kind=RequestOutputKind.DELTA, detokenize=bool(s.stop),
+            )
+            self._engine.add_request(key, {"prompt_token_ids": list(g.request.prompt_ids)}, params,
+                                     lora_request=self._lora_request)
+            active[key] = _Active(g, i)
+
+    def _process(self, outputs: list[Any], active: dict[str, _Active]) -> None:
+        threshold = self.early_stop_logprob
+        for out in outputs:
+            a = active.get(out.request_id)
+            if a is None:
+                continue
+            c = out.outputs[0]
+            new = list(c.token_ids)
+            lps = [c.logprobs[j][t].logprob for j, t in enumerate(new)] if new else []
+            a.tokens.extend(new)
+            a.logprobs.extend(lps)
+            if out.finished:
+                reason: FinishReason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
+                self._finish(out.request_id, a, reason, active)
+                continue
+            if threshold is not None:
+                below, a.average = moving_average_below(lps, threshold, a.average)
+                if below:
+                    self._engine.abort_request([out.request_id])
+                    self._finish(out.request_id, a, "abort", active)
+
+    def _finish(self, key: str, a: _Active, reason: FinishReason, active: dict[str, _Active]) -> None:
+        del active[key]
+        self.limiter.release(key, None if reason == "abort" else len(a.tokens))
+        g = a.group
+        g.samples[a.index] = Sample(
+            token_ids=a.tokens, logprobs=a.logprobs, finish_reason=reason,
+            text=self.tokenizer.decode(a.tokens, skip_special_tokens=True),
+            time_s=time.perf_counter() - g.start,
+        )
+        self._counts["samples"] += 1
+        self._counts["tokens"] += len(a.tokens)
+        self._counts["aborted"] += reason == "abort"
+        if all(s is not None for s in g.samples):
+            done = [s for s in g.samples if s is not None]
+            resolve_future(g.loop, g.future, result=GenerationResult(g.request, done, time.perf_counter() - g.start))
+
+    def _drop_cancelled(self, pending: deque[tuple[_Group, int]], active: dict[str, _Active]) -> None:
+        """Forget the samples of requests whose caller timed out: abort them in vLLM, free KV room."""
+        if any(g.cancelled.is_set() for g, _ in pending):
+            kept = [(g, i) for g, i in pending if not g.cancelled.is_set()]
+            pending.clear()
+            pending.extend(kept)
+        gone = [k for k, a in active.items() if a.group.cancelled.is_set()]
+        if gone:
+            self._engine.abort_request(gone)
+            for k in gone:
+                del active[k]
+                self.limiter.release(k, None)
+

@@ -1,0 +1,175 @@
+"""User tasks: your own problems and verifier, named in the config as "module:function".
+
+    task:
+      name: examples.my_task:problems        # or path/to/my_task.py:problems
+      verifier: examples.my_task:verify      # optional: default is `verify` in the same module
+
+`problems(cfg)` receives the TaskConfig and returns either
+
+- an iterable of problem dicts: {"prompt": str} or {"messages": [chat messages]}, plus "answer"
+  (anything your verifier understands), and optionally "id" and "split" ("train", the default,
+  or "eval"). Training visits the train problems in epoch-wise permutations seeded by
+  cfg.seed; the held-out set is the first cfg.eval_size "eval" problems, or, when none is
+  marked "eval", the first cfg.eval_size train problems (then it overlaps training: mark some);
+- or a ready sleuth.tasks.base.Task instance, used as is.
+
+The verifier is called as `verify(answer, completion_text) -> float` (True/False count as 1/0).
+It runs under sleuth.scoring's time limit: one that raises or overruns scores 0 and is counted.
+A module that is not importable from sys.path is also looked up in the current directory, and
+"path/file.py:function" loads a file directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from sleuth.config import TaskConfig
+from sleuth.errors import ConfigError, DataError
+from sleuth.records import Message, Problem
+from sleuth.tasks.base import Task
+from sleuth.tasks.order import stream_index
+
+Verifier = Callable[[Any, str], float]
+
+
+def _import_module(name: str) -> Any:
+    if name.endswith(".py"):
+        path = Path(name).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(f"user task file {name} does not exist")
+        # One module per file (two files may share a name): the name carries a hash of the path.
+        module_name = f"sleuth_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
+        if module_name in sys.modules:
+            return sys.modules[module_name]
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        if spec is None or spec.loader is None:
+            raise ConfigError(f"cannot load user task file {name}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        # The `sleuth` console script does not put the current directory on sys.path; a user
+        # running from their project root expects `examples.my_task` to be found there.
+        cwd = os.getcwd()
+        if e.name is None or not name.startswith(e.name) or cwd in sys.path:
+            raise ConfigError(f"cannot import user task module '{name}': {e}") from None
+        sys.path.append(cwd)
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as e2:
+            raise ConfigError(f"cannot import user task module '{name}': {e2}") from None
+
+
+def load_object(spec: str) -> Any:
+    """The object named by "package.module:attr" or "path/file.py:attr"."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"'{spec}' is not of the form module:function")
+    module = _import_module(module_name)
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ConfigError(f"user task module '{module_name}' has no '{attr}'") from None
+
+
+def _default_verifier_spec(task_spec: str) -> str:
+    return task_spec.rpartition(":")[0] + ":verify"
+
+
+def _to_problem(item: Any, index: int, system_prompt: str | None, source: str) -> tuple[str, Problem]:
+    where = f"user task {source} problem {index}"
+    if not isinstance(item, dict):
+        raise DataError(f"{where}: expected a dict with prompt/messages and answer, got {type(item).__name__}")
+    if "answer" not in item:
+        raise DataError(f"{where}: has no 'answer'")
+    messages: list[Message]
+    if isinstance(item.get("messages"), list):
+        messages = list(item["messages"])
+        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in messages):
+            raise DataError(f"{where}: 'messages' must be a list of {{role, content}} dicts")
+    elif isinstance(item.get("prompt"), str):
+        messages = [{"role": "user", "content": item["prompt"]}]
+    else:
+        raise DataError(f"{where}: needs a string 'prompt' or a 'messages' list")
+    if system_prompt and messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    split = item.get("split", "train")
+    if split not in ("train", "eval"):
+        raise DataError(f"{where}: 'split' must be 'train' or 'eval', got {split!r}")
+    metadata = {k: v for k, v in item.items() if k not in ("id", "prompt", "messages", "answer", "split")}
+    return split, Problem(str(item.get("id", f"{split}-{index}")), messages, item["answer"], metadata)
+
+
+class UserTask(Task):
+    """Problems from a user function, scored by a user verifier."""
+
+    def __init__(self, cfg: TaskConfig, items: Iterable[Any], verifier_spec: str) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.verifier_spec = verifier_spec
+        self._verifier: Verifier | None = None
+        self._train: list[Problem] = []
+        held_out: list[Problem] = []
+        for i, item in enumerate(items):
+            split, problem = _to_problem(item, i, cfg.system_prompt, cfg.name)
+            (held_out if split == "eval" else self._train).append(problem)
+        if not self._train and not held_out:
+            raise DataError(f"user task {cfg.name} returned no problems")
+        self._eval = (held_out or self._train)[: cfg.eval_size]
+        self.verifier  # noqa: B018 -- resolve now, so a bad verifier fails at start-up
+
+    @property
+    def verifier(self) -> Verifier:
+        if self._verifier is None:
+            fn = load_object(self.verifier_spec)
+            if not callable(fn):
+                raise ConfigError(f"verifier '{self.verifier_spec}' is not a function")
+            self._verifier = fn
+        return self._verifier
+
+    def train_problem(self, index: int) -> Problem:
+        if not self._train:
+            raise DataError(f"user task {self.cfg.name} has only 'eval' problems, none to train on")
+        return self._train[stream_index(len(self._train), self.cfg.seed, index)]
+
+    def eval_problems(self) -> list[Problem]:
+        return list(self._eval)
+
+    def score(self, problem: Problem, completion: str) -> float:
+        return float(self.verifier(problem.answer, completion))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Verifier workers re-import the verifier by name: functions from a file path or a
+        # module that only the parent imported would not unpickle there by reference.
+        state = self.__dict__.copy()
+        state["_verifier"] = None
+        return state
+
+
+def build(cfg: TaskConfig) -> Task:
+    """A task from cfg.name = "module:function" (see the module docstring)."""
+    factory = load_object(cfg.name)
+    if not callable(factory):
+        raise ConfigError(f"user task '{cfg.name}' is not a function")
+    result = factory(cfg)
+    if isinstance(result, Task):
+        return result
+    if isinstance(result, dict | str | bytes) or not isinstance(result, Iterable):
+        raise ConfigError(f"user task '{cfg.name}' must return a Task or an iterable of problem dicts")
+    verifier_spec = cfg.verifier or _default_verifier_spec(cfg.name)
+    if cfg.verifier is None and not hasattr(_import_module(cfg.name.rpartition(":")[0]), "verify"):
+        raise ConfigError(
+            f"user task '{cfg.name}' needs a verifier: define verify(answer, text) in its module "
+            "or set task.verifier=module:function"
+        )
+    return UserTask(cfg, result, verifier_spec)

@@ -1,0 +1,87 @@
+"""Group-relative advantages: a small registry of estimators over one group's rewards.
+
+    groups, metrics = compute_advantages(groups, "grpo", drop_zero=True)
+
+Each estimator maps the rewards of one group (n completions of one prompt) to one advantage per
+completion. Groups whose advantages are all zero (every completion scored the same) carry no
+policy gradient; with drop_zero they are removed before packing and counted in the metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from sleuth.errors import UserError
+from sleuth.records import Group
+
+STD_EPS = 1e-6
+"""Added to the group's standard deviation so a near-constant group does not blow up."""
+
+ZERO_TOL = 1e-12
+"""Advantages smaller than this in magnitude count as zero when deciding to drop a group."""
+
+Estimator = Callable[[Sequence[float]], list[float]]
+
+
+def grpo(rewards: Sequence[float]) -> list[float]:
+    """(r - mean) / (std + eps), with the population std of the group (GRPO)."""
+    n = len(rewards)
+    mean = sum(rewards) / n
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
+    return [(r - mean) / (std + STD_EPS) for r in rewards]
+
+
+def dr_grpo(rewards: Sequence[float]) -> list[float]:
+    """r - mean: Dr.GRPO drops the std division, which over-weights easy and hard groups."""
+    mean = sum(rewards) / len(rewards)
+    return [r - mean for r in rewards]
+
+
+def rloo(rewards: Sequence[float]) -> list[float]:
+    """Leave-one-out baseline: r_i - mean of the other n-1 rewards (zero for a group of one)."""
+    n = len(rewards)
+    if n < 2:
+        return [0.0] * n
+    total = sum(rewards)
+    return [r - (total - r) / (n - 1) for r in rewards]
+
+
+ESTIMATORS: dict[str, Estimator] = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo}
+
+
+def compute_advantages(
+    groups: list[Group], estimator: str, drop_zero: bool = True
+) -> tuple[list[Group], dict[str, float]]:
+    """Groups with `advantages` filled (new Group objects; the inputs are not modified).
+
+    Metrics: groups (in), groups_dropped (all-zero advantages, removed when drop_zero),
+    advantage_abs_mean over the kept completions.
+    """
+    fn = ESTIMATORS.get(estimator)
+    if fn is None:
+        raise UserError(f"unknown advantage estimator '{estimator}' (choose from {', '.join(ESTIMATORS)})")
+    out: list[Group] = []
+    dropped = 0
+    abs_sum = 0.0
+    count = 0
+    for i, group in enumerate(groups):
+        if not group.completions:
+            raise ValueError(f"group {i} ({group.problem.id}) has no completions")
+        rewards = group.rewards
+        if not all(math.isfinite(r) for r in rewards):
+            raise ValueError(f"group {i} ({group.problem.id}) has a non-finite reward: {rewards}")
+        advantages = fn(rewards)
+        if drop_zero and all(abs(a) < ZERO_TOL for a in advantages):
+            dropped += 1
+            continue
+        out.append(replace(group, advantages=advantages))
+        abs_sum += sum(abs(a) for a in advantages)
+        count += len(advantages)
+    metrics = {
+        "groups": float(len(groups)),
+        "groups_dropped": float(dropped),
+        "advantage_abs_mean": abs_sum / count if count else 0.0,
+    }
+    return out, metrics

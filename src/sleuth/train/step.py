@@ -1,0 +1,264 @@
+"""One GRPO-family training step over a batch of groups.
+
+    trainer = Trainer(policy, cfg.algorithm, cfg.trainer, total_steps=cfg.loop.iterations,
+                      max_tokens=cfg.rollout.max_tokens)
+    metrics = trainer.step(groups)     # groups with advantages (see advantages.py)
+
+A step packs the groups into rows (packing.py), then runs epochs_per_iteration optimizer steps,
+each accumulating gradients over every row. Per-token loss weights come from global counts
+computed before any backward pass, so the update does not depend on the row split.
+
+The trainer's "old" logprobs (the PPO ratio's denominator and the TIS numerator) are the first
+epoch's own logprobs, detached: before the first update the parameters are exactly those that
+were current when the batch arrived, so no extra forward pass is needed.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sleuth.config import AlgorithmConfig, TrainerConfig
+from sleuth.errors import UserError
+from sleuth.records import Group
+from sleuth.train.losses import AGGREGATIONS, aggregation_weights, get_loss, k3_kl, tis_weights
+from sleuth.train.optim import build_optimizer, measure_matmul_flops
+from sleuth.train.packing import PackedBatch, pack_groups
+from sleuth.train.policy import Policy
+
+SELF_CHECK_TOL = {torch.float32: (1e-3, 1e-4), torch.bfloat16: (0.5, 0.05)}
+"""(max, mean) absolute logprob difference allowed between packed and naive forwards, per dtype.
+A mask that is ignored shifts logprobs by whole nats; bf16 rounding noise stays far below these."""
+
+
+class SelfCheckError(UserError):
+    """Packed and naive logprobs disagree: the model's attention does not honour the packed mask."""
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+METRIC_KEYS = (
+    "loss", "clip_frac_low", "clip_frac_high", "grad_norm", "kl", "entropy", "tis_weight_mean",
+    "tis_capped_frac", "tokens", "tokens_per_s", "mfu", "peak_mem_gb", "skipped", "rows", "sequences",
+    "completion_tokens", "lr", "step_time_s",
+)
+
+
+@dataclass
+class _PassCache:
+    """Per-row tensors computed in the first epoch and reused by later ones."""
+
+    old: list[torch.Tensor] = field(default_factory=list)
+    ref: list[torch.Tensor] = field(default_factory=list)
+
+
+class Trainer:
+    """Optimizer, schedule and the packed policy-gradient step for one Policy."""
+
+    def __init__(self, policy: Policy, algorithm_cfg: AlgorithmConfig, trainer_cfg: TrainerConfig,
+                 total_steps: int | None = None, max_tokens: int = 256, peak_flops: float | None = None) -> None:
+        self.policy = policy
+        self.algo = algorithm_cfg
+        self.cfg = trainer_cfg
+        self.max_tokens = max_tokens
+        self.loss_fn = get_loss(algorithm_cfg.loss)
+        if algorithm_cfg.aggregation not in AGGREGATIONS:
+            raise UserError(f"unknown aggregation '{algorithm_cfg.aggregation}'")
+        if algorithm_cfg.kl_beta > 0 and not policy.has_reference:
+            raise UserError("algorithm.kl_beta > 0 needs a policy built with need_reference=True")
+        self.params = policy.trainable_parameters()
+        total_opt = total_steps * trainer_cfg.epochs_per_iteration if total_steps is not None else None
+        self.optimizer, self.scheduler = build_optimizer(self.params, trainer_cfg, total_opt)
+        self.step_count = 0
+        """Completed calls of step() (iterations)."""
+        self.self_checked = not trainer_cfg.self_check
+        self.peak_flops = peak_flops
+        body, head = policy.matmul_parameters()
+        self._body_params, self._head_params = body, head
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step_count": self.step_count,
+            "self_checked": self.self_checked,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step_count = int(state["step_count"])
+        self.self_checked = bool(state.get("self_checked", True))
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, groups: list[Group]) -> dict[str, float]:
+        """One iteration's update (epochs_per_iteration optimizer steps) over all groups.
+
+        Returns METRIC_KEYS (loss, clip fractions and grad norm averaged over the epochs; kl, entropy
+        and TIS statistics as token means of the first epoch; kl is 0 when kl_beta is 0, where it is
+        not computed), plus self_check_max_diff / self_check_mean_diff on the step that ran it.
+        An empty list (every group dropped) makes no update and returns skipped=1.
+        """
+        start = time.perf_counter()
+        self.step_count += 1
+        if not groups:  # every group was dropped (all-zero advantages): nothing to learn from
+            empty = dict.fromkeys(METRIC_KEYS, 0.0)
+            empty.update({"skipped": 1.0, "lr": self.scheduler.get_last_lr()[0],
+                          "peak_mem_gb": peak_memory_gb(self.policy.device)})
+            return empty
+        batch = pack_groups(groups, self.cfg.row_tokens, pad_to_multiple=self._pad_multiple())
+        metrics: dict[str, float] = {}
+        if not self.self_checked:
+            metrics.update(self.self_check(groups, batch))
+            self.self_checked = True
+        cache = _PassCache()
+        epochs = self.cfg.epochs_per_iteration
+        acc = dict.fromkeys(("loss", "clip_frac_low", "clip_frac_high", "grad_norm"), 0.0)
+        skipped = 0
+        for epoch in range(epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            stats = self._pass(batch, cache, first=epoch == 0)
+            finite = math.isfinite(stats["loss"])
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)) if finite else math.nan
+            if finite and math.isfinite(grad_norm):
+                self.optimizer.step()
+                self.scheduler.step()
+            else:  # a non-finite loss or gradient: no update, counted in the metrics
+                skipped += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            for key in ("loss", "clip_frac_low", "clip_frac_high"):
+                acc[key] += stats[key]
+            acc["grad_norm"] += grad_norm
+            if epoch == 0:
+                metrics.update({k: stats[k] for k in ("kl", "entropy", "tis_weight_mean", "tis_capped_frac")})
+        n_tok = batch.n_completion_tokens
+        beta = self.algo.kl_beta
+        elapsed = time.perf_counter() - start
+        metrics.update({k: v / epochs for k, v in acc.items()})
+        metrics.update(self._throughput(batch, elapsed, epochs, beta > 0))
+        metrics.update({
+            "skipped": float(skipped), "rows": float(len(batch.rows)), "sequences": float(batch.n_seqs),
+            "completion_tokens": float(n_tok), "lr": self.scheduler.get_last_lr()[0], "step_time_s": elapsed,
+        })
+        return metrics
+
+    def loss_and_gradients(self, groups: list[Group]) -> float:
+        """One pass over the packed groups leaving gradients in .grad (no optimizer step).
+
+        The same computation as the first epoch of step(); for tests and debugging.
+        """
+        batch = pack_groups(groups, self.cfg.row_tokens, pad_to_multiple=self._pad_multiple())
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._pass(batch, _PassCache(), first=True)["loss"]
+
+    def _pad_multiple(self) -> int:
+        # flex_attention works in 128-token blocks; padding rows to them avoids recompilation.
+        return 128 if self.policy.attn_backend == "flex_attention" else 1
+
+    def _pass(self, batch: PackedBatch, cache: _PassCache, first: bool) -> dict[str, float]:
+        """Forward + backward over every row, accumulating gradients; stops at a non-finite loss."""
+        policy, algo = self.policy, self.algo
+        beta = algo.kl_beta
+        seq_weight = aggregation_weights(batch.seq_lengths, algo.aggregation, self.max_tokens).to(policy.device)
+        n_tok = batch.n_completion_tokens
+        sums = dict.fromkeys(("kl", "entropy", "tis_weight_mean", "tis_capped_frac"), 0.0)
+        loss_sum, low, high = 0.0, 0, 0
+        for r, row in enumerate(batch.rows):
+            logp, entropy = policy.row_logprobs(row)
+            dev = logp.device
+            if first:
+                cache.old.append(logp.detach())
+                if beta > 0:
+                    cache.ref.append(policy.reference_logprobs(row))
+            old = cache.old[r]
+            token_seq = row.token_seq.to(dev)
+            tis = tis_weights(old, row.engine_logprobs.to(dev), algo.tis_cap)
+            pl = self.loss_fn(logp, old, row.advantages.to(dev), token_seq, algo.clip_low, algo.clip_high)
+            token_loss = pl.token_loss * tis
+            if beta > 0:
+                kl = k3_kl(logp, cache.ref[r])
+                token_loss = token_loss + beta * kl
+                sums["kl"] += float(kl.detach().sum())
+            row_loss = (seq_weight[token_seq] * token_loss).sum()
+            if not torch.isfinite(row_loss):
+                loss_sum = math.nan
+                break
+            row_loss.backward()
+            loss_sum += float(row_loss.detach())
+            low += int(pl.clipped_low.sum())
+            high += int(pl.clipped_high.sum())
+            sums["entropy"] += float(entropy.sum())
+            sums["tis_weight_mean"] += float(tis.sum())
+            if algo.tis_cap is not None:
+                sums["tis_capped_frac"] += float((tis >= algo.tis_cap).sum())
+        out = {k: v / n_tok for k, v in sums.items()}
+        out.update({"loss": loss_sum, "clip_frac_low": low / n_tok, "clip_frac_high": high / n_tok})
+        return out
+
+    def _throughput(self, batch: PackedBatch, elapsed: float, epochs: int, with_ref: bool) -> dict[str, float]:
+        dev = self.policy.device
+        if self.peak_flops is None:
+            self.peak_flops = measure_matmul_flops(self.policy.causal_lm.dtype, dev, n=512)
+        # 6 FLOPs per parameter and token for forward + backward; the reference adds a forward (2).
+        per_token = 6 + (2 if with_ref else 0)
+        flops = per_token * (self._body_params * batch.n_tokens + self._head_params * batch.n_completion_tokens)
+        flops *= epochs
+        return {
+            "tokens": float(batch.n_tokens),
+            "tokens_per_s": batch.n_tokens * epochs / elapsed,
+            "mfu": flops / elapsed / self.peak_flops,
+            "peak_mem_gb": peak_memory_gb(dev),
+        }
+
+    # ------------------------------------------------------------------ self-check
+
+    @torch.no_grad()
+    def self_check(self, groups: list[Group], batch: PackedBatch) -> dict[str, float]:
+        """Compare packed and naive logprobs on a small slice; raise SelfCheckError on mismatch.
+
+        The slice is the first and last completion of the row holding the most completions, so
+        a kernel that keeps causality but ignores the packed mask is caught too.
+        """
+        policy = self.policy
+        row = max(batch.rows, key=lambda r: len(r.placements))
+        was_training = policy.model.training
+        policy.model.eval()
+        try:
+            packed, _ = policy.row_logprobs(row)
+            diffs = []
+            chosen = {row.placements[0].seq: row.placements[0], row.placements[-1].seq: row.placements[-1]}
+            offsets = {}
+            n = 0
+            for pl in row.placements:
+                offsets[pl.seq] = n
+                n += pl.length
+            for seq, pl in chosen.items():
+                group = groups[pl.group]
+                comp = group.completions[pl.completion]
+                naive = policy.naive_logprobs(group.prompt_ids, comp.completion_ids)
+                diffs.append((packed[offsets[seq] : offsets[seq] + pl.length] - naive).abs().float())
+        finally:
+            policy.model.train(was_training)
+        diff = torch.cat(diffs)
+        max_tol, mean_tol = SELF_CHECK_TOL.get(policy.causal_lm.dtype, SELF_CHECK_TOL[torch.bfloat16])
+        max_diff, mean_diff = float(diff.max()), float(diff.mean())
+        if not (max_diff <= max_tol and mean_diff <= mean_tol):
+            raise SelfCheckError(
+                f"packed-sequence self-check failed: logprobs differ from separate sequences by up to "
+                f"{max_diff:.3g} (mean {mean_diff:.3g}) with attn_implementation="
+                f"'{policy.attn_backend}'; this model's attention ignores the packed mask "
+                f"(use sdpa on CPU, flex_attention on CUDA)"
+            )
+        return {"self_check_max_diff": max_diff, "self_check_mean_diff": mean_diff}

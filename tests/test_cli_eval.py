@@ -1,0 +1,104 @@
+import json
+import re
+import shutil
+from io import StringIO
+
+import pytest
+
+from sleuth.cli import main
+from sleuth.config import load_config
+from sleuth.evaluate import pass_at_k
+from sleuth.loop import train
+from sleuth.testing.tiny_model import write_tiny_model
+
+TASK_SOURCE = '''
+def problems(cfg):
+    for i in range(20):
+        yield {"id": f"p{i}", "prompt": f"Say something ({i})", "answer": None,
+               "split": "eval" if i < 4 else "train"}
+
+
+def verify(answer, text):
+    # 1 for a completion that is mostly lowercase letters, else the fraction: some samples of a
+    # random model reach 1 now and then, so pass@k and avg@k differ.
+    share = sum("a" <= c <= "z" for c in text) / len(text) if text else 0.0
+    return 1.0 if share >= 0.25 else share
+'''
+
+COMMON = ["task.eval_size=4", "task.verifier_isolation=inline", "rollout.engine=hf",
+          "rollout.max_tokens=6", "model.dtype=float32"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    tiny = write_tiny_model(root / "tiny")
+    task_file = root / "say_task.py"
+    task_file.write_text(TASK_SOURCE)
+    return tiny, task_file
+
+
+def test_eval_model_folder(files, tmp_path, capsys):
+    tiny, task_file = files
+    out = tmp_path / "out"
+    code = main(["eval", "--model", str(tiny), "--task", f"{task_file}:problems", "--k", "3",
+                 "--price", "2.5", "--out", str(out), *COMMON])
+    stdout = capsys.readouterr().out
+    assert code == 0
+    last = stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"avg@3=\d\.\d{4} pass@3=\d\.\d{4} maj@3=\d\.\d{4}", last), last
+
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(samples) == 4 * 3
+    by_problem: dict[str, list[float]] = {}
+    for s in samples:
+        by_problem.setdefault(s["problem_id"], []).append(s["reward"])
+        assert s["tokens"] <= 6
+    avgs = [sum(r) / 3 for r in by_problem.values()]
+    assert summary["avg"] == pytest.approx(sum(avgs) / 4)
+    assert summary["pass_k"] == pytest.approx(
+        sum(pass_at_k(3, sum(x >= 1 for x in r), 3) for r in by_problem.values()) / 4)
+    assert summary["mean_completion_tokens"] == pytest.approx(sum(s["tokens"] for s in samples) / 12)
+    assert summary["cost_per_problem"] == pytest.approx(summary["tokens_per_problem"] * 2.5 / 1e6)
+    assert summary["tokens_per_problem"] > 3 * summary["mean_completion_tokens"]  # prompts count too
+    assert last == f"avg@3={summary['avg']:.4f} pass@3={summary['pass_k']:.4f} maj@3={summary['maj']:.4f}"
+    assert f"avg@3     {summary['avg']:.4f} ± {summary['avg_se']:.4f}".split() == \
+        next(line for line in stdout.splitlines() if line.startswith("avg@3 ")).split()
+
+    # Same seed, same numbers: evaluation is reproducible.
+    assert main(["eval", "--model", str(tiny), "--task", f"{task_file}:problems", "--k", "3",
+                 "--out", str(tmp_path / "again"), *COMMON]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == last
+
+
+def test_eval_run_directory_uses_its_config_and_checkpoint(files, tmp_path, capsys):
+    tiny, task_file = files
+    cfg = load_config(None, [f"model.path={tiny}", "model.lora.rank=4", f"task.name={task_file}:problems",
+                             "loop.iterations=1", "loop.tasks_per_iteration=2", "rollout.samples_per_task=2",
+                             "eval.k=2", "logging.tensorboard=false", *COMMON])
+    run = tmp_path / "run"
+    train(cfg, run, out=StringIO())
+    shutil.rmtree(run / "model")  # as if the run was stopped early: eval merges the latest checkpoint
+    assert main(["eval", "--model", str(run)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("avg@2=")
+    outs = list(run.glob("eval-*-k2/summary.json"))
+    assert len(outs) == 1
+    summary = json.loads(outs[0].read_text())
+    assert summary["task"] == f"{task_file}:problems" and summary["problems"] == 4
+
+
+def test_eval_bad_inputs(files, tmp_path, capsys):
+    tiny, _task_file = files
+    cases = [
+        (["eval", "--model", str(tmp_path / "missing"), "--task", "temporal_clue"], "is neither a folder"),
+        (["eval", "--model", str(tiny), "--task", "temporal_clu"], "unknown task 'temporal_clu'"),
+        (["eval", "--model", str(tiny), "--k", "0"], "--k must be >= 1"),
+        (["eval", "--model", str(tiny), "eval.kk=3"], "unknown config key 'eval.kk'"),
+        (["eval", "--model", str(tiny), "notakey"], "not of the form section.key=value"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("sleuth: error: ") and message in err[-1], err

@@ -1,0 +1,185 @@
+"""The RL loop end to end with the tiny model and the transformers engine.
+
+The task is a user task whose verifier rewards the fraction of lowercase letters in a completion:
+a random-init byte-level model earns varied rewards on it from the first iteration, so every
+iteration really trains (a reward that is always 0 would leave the weights unchanged and make
+the resume comparison vacuous).
+"""
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from sleuth.config import load_config
+from sleuth.loop import train
+from sleuth.testing.tiny_model import write_tiny_model
+
+TASK_SOURCE = '''
+def problems(cfg):
+    for i in range(64):
+        yield {"id": f"p{i}", "prompt": f"Write lowercase letters ({i})", "answer": None,
+               "split": "eval" if i < 3 else "train"}
+
+
+def verify(answer, text):
+    return sum("a" <= c <= "z" for c in text) / len(text) if text else 0.0
+'''
+
+VOLATILE = ("time", "per_s", "mem", "mfu", "flops")
+"""Metric names that measure the machine (timings, throughput), not the run."""
+
+
+@pytest.fixture(scope="module")
+def setup_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loop")
+    tiny = write_tiny_model(root / "tiny")
+    task_file = root / "lowercase_task.py"
+    task_file.write_text(TASK_SOURCE)
+    return tiny, task_file
+
+
+def overrides(tiny: Path, task_file: Path, iterations: int = 4) -> list[str]:
+    return [
+        f"model.path={tiny}", "model.dtype=float32", "model.lora.rank=4", "model.lora.alpha=8",
+        f"task.name={task_file}:problems", "task.eval_size=3", "task.verifier_isolation=inline",
+        "rollout.engine=hf", "rollout.samples_per_task=4", "rollout.max_tokens=8",
+        "trainer.lr=0.02", f"loop.iterations={iterations}", "loop.tasks_per_iteration=2",
+        "loop.eval_every=2", "loop.checkpoint_every=1", "loop.keep_checkpoints=2",
+        "loop.deterministic=true", "eval.k=2", "logging.tensorboard=false",
+    ]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def stable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not any(t in k for t in VOLATILE)} for r in rows]
+
+
+def weights_hash(folder: Path) -> str:
+    tensors = load_file(str(folder / "model.safetensors"))
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_loop_trains_logs_and_checkpoints(setup_files, tmp_path):
+    tiny, task_file = setup_files
+    cfg = load_config(None, overrides(tiny, task_file, iterations=2))
+    out = StringIO()
+    result = train(cfg, tmp_path / "run", out=out)
+    run = tmp_path / "run"
+    assert result.iterations_done == 2 and not result.interrupted
+    assert load_config(run / "config.yaml") == cfg
+
+    rows = read_metrics(run)
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    assert "val_reward" in rows[0] and "reward_mean" not in rows[0]
+    for r in rows[1:]:
+        for key in ("reward_mean", "time_rollout_s", "time_score_s", "time_train_s", "time_sync_s", "tokens"):
+            assert key in r, key
+        assert 0 < r["reward_mean"] < 1
+        assert r["tokens"] == pytest.approx(r["completion_tokens_mean"] * 2 * 4)
+    assert "val_reward" in rows[2] and "val_reward" not in rows[1]
+
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == ["iter-000001", "iter-000002"]
+    state = json.loads((run / "checkpoints" / "iter-000002" / "state.json").read_text())
+    assert state["data_position"] == 4 and state["val_reward"] == pytest.approx(rows[2]["val_reward"])
+    assert (run / "model" / "config.json").is_file()
+
+    text = out.getvalue().splitlines()
+    assert text[0].startswith("held-out reward before training: ")
+    assert sum(line.startswith("iter ") for line in text) == 2
+    assert text[-2].startswith("held-out reward after training:")
+    assert text[-1].startswith("gain ")
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert {s["kind"] for s in samples} <= {"best", "worst"} and samples
+
+    # The trained weights differ from the initial ones: LoRA really moved.
+    base = load_file(str(tiny / "model.safetensors"))
+    merged = load_file(str(run / "model" / "model.safetensors"))
+    changed = [n for n in base if not (base[n] == merged[n]).all()]
+    assert changed, "training left every weight unchanged"
+
+
+def _cli(args: list[str], cwd: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "sleuth", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before {path.name} appeared: {proc.stderr.read()[-2000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_uninterrupted(setup_files, tmp_path):
+    tiny, task_file = setup_files
+    iterations = 8
+    args = overrides(tiny, task_file, iterations=iterations)
+    reference = tmp_path / "reference"
+    train(load_config(None, args), reference, out=StringIO())
+
+    killed = tmp_path / "killed"
+    proc = _cli(["train", *args, "--out", str(killed)], tmp_path)
+    _wait_for(killed / "checkpoints" / "iter-000001", proc)
+    # A random moment after the first checkpoint: once a random number of iterations is logged,
+    # plus a random fraction of an iteration (which may land inside a checkpoint save).
+    rng = random.Random()
+    logged, delay = rng.randint(2, iterations - 2), rng.uniform(0.0, 0.3)
+    while len(read_metrics(killed)) <= logged and proc.poll() is None:
+        time.sleep(0.01)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    done_before = [r["iteration"] for r in read_metrics(killed)]
+    context = f"killed {delay:.2f}s after iteration {logged} was logged; logged then: {done_before}"
+    assert proc.returncode == -signal.SIGKILL, context
+    assert not (killed / "model").exists(), f"the run finished before it was killed ({context})"
+
+    resumed = _cli(["train", "--resume", str(killed)], tmp_path)
+    _, err = resumed.communicate(timeout=400)
+    assert resumed.returncode == 0, err[-3000:]
+    assert stable(read_metrics(killed)) == stable(read_metrics(reference)), context
+    assert weights_hash(killed / "model") == weights_hash(reference / "model"), context
+
+
+@pytest.mark.slow
+def test_sigint_saves_a_checkpoint_and_exits_cleanly(setup_files, tmp_path):
+    tiny, task_file = setup_files
+    run = tmp_path / "run"
+    proc = _cli(["train", *overrides(tiny, task_file, iterations=50), "loop.checkpoint_every=0",
+                 "loop.eval_every=0", "--out", str(run)], tmp_path)
+    _wait_for(run / "metrics.jsonl", proc)
+    while len(read_metrics(run)) < 2:  # iteration 0 (eval) and 1 logged
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    assert "checkpoint saved" in err and f"--resume {run}" in err
+    last = read_metrics(run)[-1]["iteration"]
+    ckpts = [p.name for p in (run / "checkpoints").iterdir()]
+    assert ckpts == [f"iter-{last:06d}"]
+    assert last < 50

@@ -1,0 +1,136 @@
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sleuth.config import LoraConfig, ModelConfig
+from sleuth.errors import UserError
+from sleuth.records import Completion, Group, Problem
+from sleuth.testing.tiny_model import write_tiny_model
+from sleuth.train.packing import pack_groups
+from sleuth.train.policy import Policy, token_logprobs
+
+IDS = torch.tensor([[5, 9, 60, 61, 62, 70, 258]])
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"), hidden=32, layers=2)
+
+
+def cfg(path: Path, lora: bool, **kw: object) -> ModelConfig:
+    return ModelConfig(path=str(path), dtype="float32", lora=LoraConfig(enabled=lora, rank=4), **kw)
+
+
+def perturb(policy: Policy, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.trainable_parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+def test_lora_policy_reference_is_the_base_model(tiny_dir: Path) -> None:
+    policy = Policy.from_config(cfg(tiny_dir, True), need_reference=True)
+    assert policy.is_lora and policy.attn_backend == "sleuth_packed"
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    trainable = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert any("mlp.down_proj" in n for n in trainable)  # all-linear by default
+    perturb(policy)
+    assert not torch.allclose(logits(policy.model), logits(base))
+    with policy.reference() as ref:
+        torch.testing.assert_close(logits(ref), logits(base))
+    # The adapter is active again after the context.
+    assert not torch.allclose(logits(policy.model), logits(base))
+
+
+def test_sync_state_is_merged_and_leaves_adapter_alone(tiny_dir: Path) -> None:
+    policy = Policy.from_config(cfg(tiny_dir, True), need_reference=False)
+    perturb(policy)
+    before = logits(policy.model)
+    adapter = {n: p.detach().clone() for n, p in policy.model.named_parameters() if "lora_" in n}
+    state = dict(policy.sync_state())
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    assert set(state) == {n for n, _ in fresh.named_parameters()}
+    fresh.load_state_dict(state, strict=True)
+    torch.testing.assert_close(logits(fresh), before, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits(policy.model), before)
+    for n, p in policy.model.named_parameters():
+        if "lora_" in n:
+            assert torch.equal(p, adapter[n])
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_export_merged_and_save_load(tiny_dir: Path, tmp_path: Path, lora: bool) -> None:
+    policy = Policy.from_config(cfg(tiny_dir, lora), need_reference=False)
+    perturb(policy, 1)
+    expected = logits(policy.model)
+    out = policy.export_merged(tmp_path / "merged")
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    torch.testing.assert_close(logits(loaded), expected, rtol=1e-5, atol=1e-5)
+    assert (out / "tokenizer.json").is_file() or (out / "tokenizer_config.json").is_file()
+    policy.save(tmp_path / "saved")
+    if lora:
+        assert (tmp_path / "saved" / "adapter_model.safetensors").is_file()
+    other = Policy.from_config(cfg(tiny_dir, lora), need_reference=False)
+    assert not torch.allclose(logits(other.model), expected)
+    other.load_weights(tmp_path / "saved")
+    torch.testing.assert_close(logits(other.model), expected)
+    with pytest.raises(UserError, match="safetensors"):
+        other.load_weights(tmp_path / "empty-nothing-here")
+
+
+def test_full_reference_is_a_frozen_copy_only_when_needed(tiny_dir: Path) -> None:
+    policy = Policy.from_config(cfg(tiny_dir, False), need_reference=True)
+    group = Group(Problem("p", [], None), [5, 9], [Completion([5, 9], [60, 61], [-1.0, -1.0], "stop", "")],
+                  [1.0])
+    (row,) = pack_groups([group], 64).rows
+    ref_before = policy.reference_logprobs(row)
+    perturb(policy)
+    torch.testing.assert_close(policy.reference_logprobs(row), ref_before)
+    assert not torch.allclose(policy.row_logprobs(row)[0].detach(), ref_before)
+    no_ref = Policy.from_config(cfg(tiny_dir, False), need_reference=False)
+    with pytest.raises(RuntimeError, match="without a reference"), no_ref.reference():
+        pass
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir: Path) -> None:
+    group = Group(Problem("p", [], None), [5, 9, 11],
+                  [Completion([5, 9, 11], [60, 61, 62], [-1.0] * 3, "stop", ""),
+                   Completion([5, 9, 11], [70], [-1.0], "stop", "")], [1.0, -1.0])
+    (row,) = pack_groups([group], 64).rows
+    grads = []
+    for ckpt in (False, True):
+        policy = Policy.from_config(cfg(tiny_dir, False, gradient_checkpointing=ckpt), need_reference=False)
+        logp, _ = policy.row_logprobs(row)
+        (logp * row.advantages).sum().backward()
+        grads.append([p.grad.clone() for p in policy.trainable_parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_logprobs_match_full_log_softmax() -> None:
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(11, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (11,))
+    logp, entropy = token_logprobs(hidden, head, targets, chunk=3)
+    full = torch.log_softmax(head(hidden), -1)
+    torch.testing.assert_close(logp, full.gather(-1, targets[:, None])[:, 0])
+    torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1))
+    logp.sum().backward()
+    g_chunked = hidden.grad.clone()
+    hidden.grad = None
+    full.gather(-1, targets[:, None]).sum().backward()
+    torch.testing.assert_close(g_chunked, hidden.grad)
+
+
+def test_missing_model_folder_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="neither a folder nor a known alias"):
+        Policy.from_config(cfg(tmp_path / "nope", True), need_reference=False)

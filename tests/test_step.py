@@ -1,0 +1,292 @@
+"""The packed training step equals the naive per-completion computation, and it learns."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from sleuth.config import AlgorithmConfig, LoraConfig, ModelConfig, TrainerConfig
+from sleuth.errors import UserError
+from sleuth.records import Completion, Group, Problem
+from sleuth.testing.tiny_model import build_model, build_tokenizer
+from sleuth.train.advantages import compute_advantages
+from sleuth.train.attention import PACKED, register_packed_attention
+from sleuth.train.packing import pack_groups
+from sleuth.train.policy import Policy
+from sleuth.train.step import METRIC_KEYS, SelfCheckError, Trainer, _PassCache
+
+VOCAB = 272
+
+
+def make_policy(lora: bool, need_reference: bool = False, seed: int = 0, attn: str = PACKED) -> Policy:
+    register_packed_attention()
+    model = build_model(hidden=32, layers=2, heads=4, kv_heads=2, seed=seed)
+    model.set_attn_implementation(attn)
+    cfg = ModelConfig(path="unused", dtype="float32", lora=LoraConfig(enabled=lora, rank=4, alpha=8.0))
+    policy = Policy(model, build_tokenizer(), cfg, need_reference=need_reference, device="cpu")
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # move the policy away from its reference so KL and ratios are non-trivial
+        for name, p in policy.model.named_parameters():
+            if p.requires_grad and ("lora_B" in name or not lora):
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return policy
+
+
+def random_groups(seed: int, n_groups: int = 3, n_comp: int = 3) -> list[Group]:
+    rng = random.Random(seed)
+    groups = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 9))]
+        comps = []
+        for _ in range(n_comp):
+            ids = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))]
+            comps.append(Completion(prompt, ids, [-rng.uniform(3.0, 8.0) for _ in ids], "stop", "",
+                                    reward=float(rng.random() < 0.5)))
+        adv = [rng.uniform(-1.5, 1.5) for _ in comps]
+        groups.append(Group(Problem(f"p{g}", [], None), prompt, comps, adv))
+    return groups
+
+
+def naive_loss(policy: Policy, groups: list[Group], algo: AlgorithmConfig, max_tokens: int,
+               old: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
+    """Each completion as its own [prompt | completion] sequence, full-vocabulary logits."""
+    lm = policy.causal_lm
+    n_seqs = sum(len(g.completions) for g in groups)
+    n_tokens = sum(len(c.completion_ids) for g in groups for c in g.completions)
+    total = torch.zeros(())
+    for gi, group in enumerate(groups):
+        for ci, comp in enumerate(group.completions):
+            p, n = len(group.prompt_ids), len(comp.completion_ids)
+            ids = torch.tensor([group.prompt_ids + comp.completion_ids])
+            target = torch.tensor(comp.completion_ids)
+
+            def logprobs(model: torch.nn.Module, ids: torch.Tensor = ids, p: int = p, n: int = n,
+                         target: torch.Tensor = target) -> torch.Tensor:
+                logits = model(input_ids=ids).logits[0, p - 1 : p - 1 + n].float()
+                return torch.log_softmax(logits, -1).gather(-1, target[:, None])[:, 0]
+
+            logp = logprobs(lm)
+            old_lp = old.get((gi, ci), logp.detach())
+            adv = group.advantages[ci]
+            if algo.loss == "ppo_clip":
+                ratio = torch.exp(logp - old_lp)
+            else:
+                s = torch.exp((logp - old_lp).mean())
+                ratio = s.detach() * torch.exp(logp - logp.detach())
+            obj = torch.minimum(ratio * adv, ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high) * adv)
+            engine = torch.tensor(comp.logprobs)
+            tis = torch.exp(old_lp - engine).clamp(max=algo.tis_cap) if algo.tis_cap else torch.ones(n)
+            tok = -obj * tis
+            if algo.kl_beta > 0:
+                with torch.no_grad(), policy.reference() as ref_model:
+                    ref = logprobs(ref_model)
+                tok = tok + algo.kl_beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+            if algo.aggregation == "token_mean":
+                total = total + tok.sum() / n_tokens
+            elif algo.aggregation == "seq_mean_token_mean":
+                total = total + tok.mean() / n_seqs
+            else:
+                total = total + tok.sum() / (max_tokens * n_seqs)
+    return total
+
+
+def grads(policy: Policy) -> list[torch.Tensor]:
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in policy.trainable_parameters()]
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("loss", ["ppo_clip", "gspo"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "constant"])
+def test_packed_loss_and_gradients_equal_naive(lora: bool, loss: str, aggregation: str) -> None:
+    seed = 10 * ["token_mean", "seq_mean_token_mean", "constant"].index(aggregation) + 2 * (loss == "gspo") + lora
+    policy = make_policy(lora, need_reference=True, seed=seed)
+    algo = AlgorithmConfig(loss=loss, aggregation=aggregation, kl_beta=0.1, tis_cap=2.0,
+                           clip_low=0.05, clip_high=0.08)
+    # A small row budget forces several rows, split groups and several groups per row.
+    trainer = Trainer(policy, algo, TrainerConfig(row_tokens=24), max_tokens=8)
+    groups = random_groups(seed, n_groups=3, n_comp=4)
+    batch = pack_groups(groups, 24)
+    assert len(batch.rows) > 1
+    # "Old" logprobs away from the current ones (as in a later epoch), so the clip bites somewhere.
+    gen = torch.Generator().manual_seed(seed)
+    old: dict[tuple[int, int], torch.Tensor] = {}
+    with torch.no_grad():
+        for gi, group in enumerate(groups):
+            for ci, comp in enumerate(group.completions):
+                naive = policy.naive_logprobs(group.prompt_ids, comp.completion_ids)
+                old[(gi, ci)] = naive + 0.2 * torch.randn(naive.shape, generator=gen)
+    cache = _PassCache()
+    for row in batch.rows:
+        cache.old.append(torch.cat([old[(pl.group, pl.completion)] for pl in row.placements]))
+        cache.ref.append(policy.reference_logprobs(row))
+    trainer.optimizer.zero_grad()
+    stats = trainer._pass(batch, cache, first=False)
+    packed_grads = grads(policy)
+    assert stats["clip_frac_low"] + stats["clip_frac_high"] > 0
+    trainer.optimizer.zero_grad()
+    expected = naive_loss(policy, groups, algo, 8, old)
+    expected.backward()
+    naive_grads = grads(policy)
+    assert stats["loss"] == pytest.approx(expected.item(), rel=1e-5)
+    for a, b in zip(packed_grads, naive_grads):
+        assert float((a - b).norm()) <= 1e-5 * float(b.norm()) + 1e-9
+    assert sum(float(g.norm()) for g in naive_grads) > 0
+
+
+@pytest.mark.parametrize("attn", [PACKED, "sdpa"])
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_first_pass_matches_naive_on_policy(lora: bool, attn: str) -> None:
+    policy = make_policy(lora, seed=3, attn=attn)
+    algo = AlgorithmConfig(aggregation="seq_mean_token_mean")
+    trainer = Trainer(policy, algo, TrainerConfig(row_tokens=40), max_tokens=8)
+    groups = random_groups(5, n_groups=4, n_comp=3)
+    loss = trainer.loss_and_gradients(groups)
+    packed_grads = grads(policy)
+    trainer.optimizer.zero_grad()
+    expected = naive_loss(policy, groups, algo, 8, {})
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-5)
+    for a, b in zip(packed_grads, grads(policy)):
+        assert float((a - b).norm()) <= 1e-5 * float(b.norm()) + 1e-9
+
+
+def test_zero_advantage_groups_give_no_gradient() -> None:
+    policy = make_policy(True, seed=1)
+    trainer = Trainer(policy, AlgorithmConfig(), TrainerConfig(row_tokens=64), max_tokens=8)
+    groups = random_groups(2)
+    for g in groups:
+        for c in g.completions:
+            c.reward = 1.0
+    kept, metrics = compute_advantages(groups, "grpo", drop_zero=False)
+    assert metrics["groups_dropped"] == 0
+    trainer.loss_and_gradients(kept)
+    assert all(float(g.abs().max()) == 0.0 for g in grads(policy))
+    dropped, metrics = compute_advantages(groups, "grpo", drop_zero=True)
+    assert dropped == [] and metrics["groups_dropped"] == 3
+    before = [p.detach().clone() for p in policy.trainable_parameters()]
+    out = trainer.step(dropped)
+    assert out["skipped"] == 1.0 and out["loss"] == 0.0 and set(METRIC_KEYS) <= set(out)
+    assert all(torch.equal(a, p) for a, p in zip(before, policy.trainable_parameters()))
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    policy = make_policy(True, seed=1)
+    trainer = Trainer(policy, AlgorithmConfig(), TrainerConfig(), max_tokens=8)
+    groups = random_groups(4, n_groups=1)
+    groups[0].completions[1].logprobs[-1] = math.nan
+    with pytest.raises(UserError, match="completion 1 has a non-finite"):
+        trainer.step(groups)
+    groups = random_groups(4, n_groups=1)
+    groups[0].completions[0].logprobs.append(-1.0)
+    with pytest.raises(UserError, match=r"completion 0 has \d+ logprobs for \d+ tokens"):
+        trainer.step(groups)
+    groups = random_groups(4, n_groups=1)
+    groups[0].completions = []
+    groups[0].advantages = []
+    with pytest.raises(UserError, match="has no completions"):
+        trainer.step(groups)
+
+
+def test_non_finite_loss_skips_the_update() -> None:
+    policy = make_policy(True, seed=1)
+    trainer = Trainer(policy, AlgorithmConfig(tis_cap=None), TrainerConfig(self_check=False), max_tokens=8)
+    groups = random_groups(6)
+    groups[1].advantages = [math.inf] * len(groups[1].completions)
+    groups[1].advantages[0] = 1.0
+    before = [p.detach().clone() for p in policy.trainable_parameters()]
+    with pytest.raises(UserError, match="non-finite advantage"):
+        trainer.step(groups)
+    # An overflow inside the model (not in the input) is skipped and logged, not applied.
+    with torch.no_grad():
+        policy.causal_lm.get_output_embeddings().weight[0, 0] = math.nan
+    out = trainer.step(random_groups(6))
+    assert out["skipped"] == 1.0 and math.isnan(out["loss"])
+    assert all(torch.equal(a, p) for a, p in zip(before, policy.trainable_parameters()))
+
+
+def test_self_check_catches_a_model_that_ignores_the_mask() -> None:
+    # transformers' eager attention adds a boolean 4D mask as 0/1 instead of masking with it.
+    policy = make_policy(True, seed=2, attn="eager")
+    trainer = Trainer(policy, AlgorithmConfig(), TrainerConfig(row_tokens=64), max_tokens=8)
+    with pytest.raises(SelfCheckError, match="self-check failed"):
+        trainer.step(random_groups(7))
+    policy = make_policy(True, seed=2)
+    trainer = Trainer(policy, AlgorithmConfig(), TrainerConfig(row_tokens=64), max_tokens=8)
+    out = trainer.step(random_groups(7))
+    assert set(METRIC_KEYS) <= set(out)
+    assert out["self_check_max_diff"] < 1e-4
+    assert out["skipped"] == 0.0 and out["tokens"] > 0 and out["mfu"] > 0 and out["peak_mem_gb"] > 0
+
+
+def sample_groups(policy: Policy, prompts: list[list[int]], n: int, length: int,
+                  reward_fn: object, gen: torch.Generator) -> list[Group]:
+    """Plain torch sampling from the policy (temperature 1), scored by reward_fn(first_token)."""
+    lm = policy.causal_lm
+    groups = []
+    with torch.no_grad():
+        for pi, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt] * n)
+            logps = []
+            for _ in range(length):
+                logits = lm(input_ids=ids).logits[:, -1].float()
+                lp = torch.log_softmax(logits, -1)
+                tok = torch.multinomial(lp.exp(), 1, generator=gen)
+                logps.append(lp.gather(-1, tok)[:, 0])
+                ids = torch.cat([ids, tok], 1)
+            comps = []
+            for i in range(n):
+                comp_ids = ids[i, len(prompt):].tolist()
+                comps.append(Completion(prompt, comp_ids, [float(x[i]) for x in logps], "length", "",
+                                        reward=float(reward_fn(comp_ids[0]))))  # type: ignore[operator]
+            groups.append(Group(Problem(f"p{pi}", [], None), prompt, comps))
+    return groups
+
+
+@pytest.mark.slow
+def test_grpo_learns_a_toy_reward() -> None:
+    """Reward 1 when the first completion token is in a target set: mean reward must rise."""
+    torch.manual_seed(0)
+    policy = make_policy(False, seed=4)
+    trainer = Trainer(policy, AlgorithmConfig(), TrainerConfig(lr=1e-2, row_tokens=256), max_tokens=4)
+    target = set(range(0, VOCAB, 6))  # 1 in 6 tokens is rewarded at the start
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[10, 20, 30, 40], [7, 8, 9], [100, 50, 25, 12, 6]]
+    history = []
+    for _ in range(30):
+        groups = sample_groups(policy, prompts, 8, 3, lambda t: t in target, gen)
+        history.append(sum(sum(g.rewards) for g in groups) / 24)
+        kept, _ = compute_advantages(groups, "grpo", drop_zero=True)
+        metrics = trainer.step(kept)
+        assert metrics.get("skipped", 0.0) == 0.0 or not kept
+    first, last = sum(history[:5]) / 5, sum(history[-5:]) / 5
+    assert last > first + 0.3, [round(h, 2) for h in history]
+
+
+def test_state_dict_resumes_exactly(tmp_path: Path) -> None:
+    algo = AlgorithmConfig(kl_beta=0.05)
+    tcfg = TrainerConfig(lr=1e-3, schedule="cosine", warmup_steps=1, row_tokens=40, epochs_per_iteration=2)
+    batches = [random_groups(20 + i) for i in range(3)]
+    policy = make_policy(True, seed=5)
+    trainer = Trainer(policy, algo, tcfg, total_steps=3, max_tokens=8)
+    for groups in batches[:2]:
+        metrics = trainer.step(groups)
+    assert metrics["skipped"] == 0.0 and metrics["kl"] > 0
+    # The second epoch sees a ratio != 1 (the first update moved the policy).
+    policy.save(tmp_path / "ckpt")
+    torch.save(trainer.state_dict(), tmp_path / "trainer.pt")
+    trainer.step(batches[2])
+    expected = [p.detach().clone() for p in policy.trainable_parameters()]
+
+    resumed = make_policy(True, seed=5)
+    resumed.load_weights(tmp_path / "ckpt")
+    trainer2 = Trainer(resumed, algo, tcfg, total_steps=3, max_tokens=8)
+    trainer2.load_state_dict(torch.load(tmp_path / "trainer.pt", weights_only=False))
+    assert trainer2.step_count == 2
+    trainer2.step(batches[2])
+    for a, b in zip(expected, resumed.trainable_parameters()):
+        torch.testing.assert_close(b.detach(), a, rtol=0, atol=0)
+    assert trainer2.scheduler.get_last_lr() == trainer.scheduler.get_last_lr()
