@@ -123,6 +123,8 @@ def main() -> None:
     print(f"work per iteration: {a.prompts} prompts (~{sum(lengths) // len(lengths)} chars each) x {a.samples} "
           f"samples x up to {a.max_tokens} new tokens; {a.steps} iterations; LoRA r=16; float32; CPU")
     sleuth_times = run_sleuth(model, a)
+    # Shown as soon as known: the TRL half takes several times longer.
+    print("sleuth iteration s: " + " ".join(f"{t:.1f}" for t in sleuth_times), flush=True)
     trl_times = run_trl(model, a)
     print(f"{'system':<8} {'s/iter (after 1st)':>18} {'first iter s':>13}  all iterations s")
     for name, times in (("trl", trl_times), ("sleuth", sleuth_times)):

@@ -183,3 +183,23 @@ def test_sigint_saves_a_checkpoint_and_exits_cleanly(setup_files, tmp_path):
     ckpts = [p.name for p in (run / "checkpoints").iterdir()]
     assert ckpts == [f"iter-{last:06d}"]
     assert last < 50
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_loop_with_vllm_engine(setup_files, tmp_path):
+    pytest.importorskip("vllm")
+    tiny, task_file = setup_files
+    args = [*overrides(tiny, task_file, iterations=2), "rollout.engine=vllm", "rollout.kv_cache_gb=0.25",
+            "loop.deterministic=false"]
+    result = train(load_config(None, args), tmp_path / "run", out=StringIO())
+    rows = read_metrics(tmp_path / "run")
+    assert result.iterations_done == 2
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    for r in rows[1:]:
+        assert 0 < r["reward_mean"] < 1 and r["tokens"] > 0
+        assert r["groups"] == 2
+    # The weights really moved and were synced: the merged model differs from the base.
+    base = load_file(str(tiny / "model.safetensors"))
+    merged = load_file(str(tmp_path / "run" / "model" / "model.safetensors"))
+    assert any(not (base[n] == merged[n]).all() for n in base)

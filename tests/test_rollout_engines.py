@@ -289,6 +289,14 @@ def test_bad_requests_rejected(engine, request_, message):
         engine.generate_all([request_])
 
 
+def test_many_long_prompts_in_one_step(engine):
+    # 3 groups x 8 samples of 200-token prompts: more prompt tokens than vLLM's per-step budget
+    # (2048), which on CPU once crashed seeded sampling inside chunked prefill.
+    out = engine.generate_all([req(8, 4, seed=30 + i, plen=200) for i in range(3)])
+    assert [len(r.samples) for r in out] == [8, 8, 8]
+    assert all(len(s.token_ids) == 4 or s.finish_reason == "stop" for r in out for s in r.samples)
+
+
 def test_completion_capped_at_context(engine):
     s = engine.generate_all([GenerationRequest(prompt(CONTEXT - 3), 1, SamplingParams(max_tokens=50, seed=1))])
     sample = s[0].samples[0]

@@ -23,9 +23,10 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from sleuth.config import Config
 from sleuth.models import encode_chat
 from sleuth.records import Completion, Group, Problem, SamplingParams
-from sleuth.rollout.base import GenerationRequest, RolloutEngine
+from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
 from sleuth.scoring import VerifierRunner, chance_level, score_groups
 from sleuth.tasks.base import Task
 
@@ -129,6 +130,23 @@ def answer_key_fn(task: Task) -> Callable[[Problem, str], Hashable | None]:
     return lambda _problem, text: text.strip() or None
 
 
+def eval_sampling(cfg: Config) -> SamplingParams:
+    """Sampling at evaluation: eval.temperature, eval.max_tokens (else rollout's), rollout's top_p/stop."""
+    return SamplingParams(temperature=cfg.eval.temperature, top_p=cfg.rollout.top_p,
+                          max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
+
+
+def to_groups(problems: Sequence[Problem], prompts: Sequence[list[int]],
+              results: Sequence[GenerationResult]) -> list[Group]:
+    """One Group per problem from the engine's results (token ids and logprobs kept as sampled)."""
+    return [
+        Group(problem=p, prompt_ids=ids, completions=[
+            Completion(prompt_ids=ids, completion_ids=list(s.token_ids), logprobs=list(s.logprobs),
+                       finish_reason=s.finish_reason, text=s.text) for s in r.samples])
+        for p, ids, r in zip(problems, prompts, results, strict=True)
+    ]
+
+
 def evaluate(
     engine: RolloutEngine,
     task: Task,
@@ -150,15 +168,10 @@ def evaluate(
         GenerationRequest(ids, n=k, sampling=replace(sampling, seed=seed + i), request_id=p.id)
         for i, (p, ids) in enumerate(zip(problems, prompts, strict=True))
     ]
-    results = engine.generate_all(requests)
-    groups = [
-        Group(problem=p, prompt_ids=ids, completions=[
-            Completion(prompt_ids=ids, completion_ids=list(s.token_ids), logprobs=list(s.logprobs),
-                       finish_reason=s.finish_reason, text=s.text) for s in r.samples])
-        for p, ids, r in zip(problems, prompts, results, strict=True)
-    ]
+    groups = to_groups(problems, prompts, engine.generate_all(requests))
     score_groups(verifier, groups)
     key_of = answer_key_fn(task)
+    has_key = callable(getattr(task, "answer_key", None))
     rewards, keys, tokens, records = [], [], [], []
     for g in groups:
         key = [key_of(g.problem, c.text) for c in g.completions]
@@ -166,11 +179,14 @@ def evaluate(
         keys.append(key)
         tokens.append([len(c.completion_ids) for c in g.completions])
         for j, c in enumerate(g.completions):
-            records.append({
+            record = {
                 "problem_id": g.problem.id, "sample": j, "reward": c.reward, "tokens": len(c.completion_ids),
                 "finish_reason": c.finish_reason, "verifier_error": c.reward_info.get("verifier_error", 0.0),
-                "answer_key": None if key[j] is None else str(key[j]), "text": c.text,
-            })
+                "text": c.text,
+            }
+            if has_key:  # the fallback key is the text itself: not worth writing twice
+                record["answer_key"] = None if key[j] is None else str(key[j])
+            records.append(record)
     out = summarize(rewards, keys, k, tokens, chance_level(task, problems))
     out.records = records
     out.mean_prompt_tokens = sum(map(len, prompts)) / max(len(prompts), 1)

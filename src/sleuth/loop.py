@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,11 +27,11 @@ import torch
 
 from sleuth.checkpoint import CheckpointManager
 from sleuth.config import Config, dump_config
-from sleuth.evaluate import EvalResult, evaluate, mean_se
+from sleuth.evaluate import EvalResult, eval_sampling, evaluate, mean_se, to_groups
 from sleuth.metrics import MetricsWriter
 from sleuth.models import encode_chat, resolve_model_path
 from sleuth.progress import Progress
-from sleuth.records import Completion, Group, Problem, SamplingParams
+from sleuth.records import Group, Problem, SamplingParams
 from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
 from sleuth.scoring import VerifierRunner, score_groups
 from sleuth.tasks.base import Task
@@ -225,7 +227,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
                 if interrupt.requested:
                     break
             interrupted = interrupt.requested
-            if interrupted and (run.checkpoints.latest() is None or run.checkpoints.latest().iteration < done):
+            latest = run.checkpoints.latest()
+            if interrupted and (latest is None or latest.iteration < done):  # stopped mid-iteration
                 _checkpoint(run, done, None)
         if not interrupted:
             _export_final(run)
@@ -264,12 +267,7 @@ def _generate(engine: RolloutEngine, requests: list[GenerationRequest],
 
 def _score(run: Run, problems: list[Problem], prompts: list[list[int]],
            results: list[GenerationResult], metrics: dict[str, Any]) -> list[Group]:
-    groups = [
-        Group(problem=p, prompt_ids=ids, completions=[
-            Completion(prompt_ids=ids, completion_ids=list(s.token_ids), logprobs=list(s.logprobs),
-                       finish_reason=s.finish_reason, text=s.text) for s in r.samples])
-        for p, ids, r in zip(problems, prompts, results, strict=True)
-    ]
+    groups = to_groups(problems, prompts, results)
     stats = score_groups(run.verifier, groups)
     completions = [c for g in groups for c in g.completions]
     lengths = [len(c.completion_ids) for c in completions]
@@ -289,10 +287,8 @@ def _evaluate(run: Run, iteration: int, progress: Progress) -> EvalResult:
     cfg = run.cfg
     bar = progress.bar("evaluation", total=None)
     try:
-        sampling = SamplingParams(temperature=cfg.eval.temperature, top_p=cfg.rollout.top_p,
-                                  max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens,
-                                  stop=tuple(cfg.rollout.stop))
-        result = evaluate(run.engine, run.task, run.policy.tokenizer, run.eval_problems, cfg.eval.k, sampling,
+        result = evaluate(run.engine, run.task, run.policy.tokenizer, run.eval_problems, cfg.eval.k,
+                          eval_sampling(cfg),
                           run.verifier, seed=cfg.loop.seed + EVAL_SEED_OFFSET)
     finally:
         progress.remove(bar)
@@ -340,9 +336,6 @@ def _checkpoint(run: Run, iteration: int, val: EvalResult | None) -> None:
 
 def _export_final(run: Run) -> None:
     """RUN_DIR/model: the trained weights merged into a plain HF folder (what `--model RUN_DIR` loads)."""
-    import shutil
-    import tempfile
-
     final = run.run_dir / "model"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-model-", dir=run.run_dir))
     try:

@@ -64,13 +64,14 @@ def model_folder(model: str, cfg: Any, scratch: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sleuth.evaluate import evaluate
+    from sleuth.cli.train import keep_stdout_for_results
+    from sleuth.evaluate import eval_sampling, evaluate
     from sleuth.models import load_tokenizer
-    from sleuth.records import SamplingParams
     from sleuth.rollout.factory import make_engine
     from sleuth.scoring import VerifierRunner
     from sleuth.tasks.registry import build_task
 
+    keep_stdout_for_results()
     cfg = _base_config(args.model, list(args.overrides))
     if args.task:
         cfg.task.name = args.task
@@ -95,11 +96,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"evaluating {args.model} on {len(problems)} problems of {cfg.task.name}, k={k}", file=sys.stderr)
         engine = make_engine(cfg.rollout, str(folder), cfg.model.dtype, cfg.loop.seed)
         try:
-            sampling = SamplingParams(temperature=cfg.eval.temperature, top_p=cfg.rollout.top_p,
-                                      max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens,
-                                      stop=tuple(cfg.rollout.stop))
             with VerifierRunner.from_config(task, cfg.task) as verifier:
-                result = evaluate(engine, task, tokenizer, problems, k, sampling, verifier, seed=cfg.loop.seed)
+                result = evaluate(engine, task, tokenizer, problems, k, eval_sampling(cfg), verifier,
+                                  seed=cfg.loop.seed)
         finally:
             engine.close()
     finally:

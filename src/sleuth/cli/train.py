@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from importlib import resources
@@ -46,6 +47,11 @@ def split_args(items: list[str]) -> tuple[str | None, list[str]]:
         raise UserError(f"expected at most one config file, got {len(paths)}: {' '.join(paths)} "
                         "(overrides take the form section.key=value)")
     return (paths[0] if paths else None), overrides
+
+
+def keep_stdout_for_results() -> None:
+    """vLLM logs to stdout by default; send its logs to stderr so stdout holds only results."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
 def run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:  # -> Config
@@ -106,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from sleuth.loop import train
 
+    keep_stdout_for_results()
     if args.resume:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
     print(f"run directory: {run_dir}", file=sys.stderr)

@@ -76,7 +76,7 @@ class HFEngine(RolloutEngine):
         self.early_stop_logprob = early_stop_logprob
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.eos_ids = _eos_ids(model, tokenizer)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self._counter = itertools.count()
         self._pending: list[_Group] = []
         self._lock = threading.Lock()

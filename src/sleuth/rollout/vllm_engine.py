@@ -129,6 +129,9 @@ class VLLMEngine(RolloutEngine):
         args = dict(self._args)
         if self.on_cpu:
             args["kv_cache_memory_bytes"] = int(self._kv_cache_gb * GiB)
+            # vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a seeded request's
+            # prompt is prefilled in chunks; whole-prompt prefills avoid that path.
+            args["enable_chunked_prefill"] = False
         else:
             args["gpu_memory_utilization"] = self._gpu_memory_utilization
         if args["enforce_eager"] is None:

@@ -31,9 +31,11 @@ from sleuth.train.optim import build_optimizer, measure_matmul_flops
 from sleuth.train.packing import PackedBatch, pack_groups
 from sleuth.train.policy import Policy
 
-SELF_CHECK_TOL = {torch.float32: (1e-3, 1e-4), torch.bfloat16: (0.5, 0.05)}
+SELF_CHECK_TOL = {torch.float32: (1e-3, 1e-4), torch.bfloat16: (math.inf, 0.25)}
 """(max, mean) absolute logprob difference allowed between packed and naive forwards, per dtype.
-A mask that is ignored shifts logprobs by whole nats; bf16 rounding noise stays far below these."""
+An ignored mask shifts logprobs by whole nats on average. In bf16 the mean is stable (0.041-0.045
+on SmolLM2-135M, 30 layers, docs/benchmarks.md train_step) but single tokens differed by up to
+4.9 nats from rounding alone, so bf16 is judged on the mean only."""
 
 
 class SelfCheckError(UserError):

@@ -241,7 +241,7 @@ def draw_size(rng: random.Random, difficulty: int) -> Size:
     players = rng.randint(1, difficulty)
     suspects = min(10, 2 + round(1.6 * (players - 1)) + rng.randint(0, 1))
     weapons = min(8, max(2, suspects - rng.randint(0, 2)))
-    rooms = min(len(ROOM_NAMES), suspects + rng.randint(0, players))
+    rooms = min(15, suspects + rng.randint(0, players))  # the published maximum
     times = rng.randint(1, min(11, 2 * players))
     motives = rng.random() < 0.75
     return Size(suspects, weapons, rooms, times, motives)

@@ -318,16 +318,44 @@ def depends_on(clue: Clue, setting: Setting, truth: Night) -> set[int]:
     return entities
 
 
+def _readers(setting: Setting, truth: Night, clues: Sequence[Clue]) -> dict[int, list[Clue]]:
+    readers: dict[int, list[Clue]] = {}
+    for c in clues:
+        for e in depends_on(c, setting, truth):
+            readers.setdefault(e, []).append(c)
+    return readers
+
+
+def _readers_of(readers: dict[int, list[Clue]], moved: int, clues: Sequence[Clue], setting: Setting) -> list[Clue]:
+    """The clues a change coded as in `nearby_nights` can break: only those reading what moved."""
+    if moved >= 0:
+        return readers.get(moved, [])
+    if moved == -1:
+        return list(clues)
+    suspect, weapon = divmod(-2 - moved, setting.num_entities)
+    return list(dict.fromkeys(readers.get(suspect, []) + readers.get(weapon, [])))
+
+
+def _unexcluded(setting: Setting, truth: Night, near: Sequence[tuple[int, Night]],
+                clues: Sequence[Clue]) -> list[Night]:
+    """The nearby nights that satisfy every one of `clues`."""
+    readers = _readers(setting, truth, clues)
+    return [night for moved, night in near
+            if all(c.holds(setting, night) for c in _readers_of(readers, moved, clues, setting))]
+
+
 def select_clues(setting: Setting, truth: Night, answers: Sequence[Atom], pool: Sequence[Clue],
                  rng: random.Random) -> Selection:
     """An irredundant subset of `pool` (clues true of `truth`) that fixes every answer.
 
-    1. Phase 1 (model with the whole pool): assume all indirect clues (tiers 1-2); while CP-SAT
-       still finds another night, add some plain facts (tier 0) that night breaks. The final
+    1. Phase 1 (model with the whole pool): assume all indirect clues (tiers 1-2); rule out the
+       nearby nights they let through with one plain fact (tier 0) each, found in Python; then,
+       while CP-SAT still finds another night, add some plain facts that night breaks. The final
        infeasible solve's core is re-checked (and repaired if CP-SAT's core falls short).
     2. Phase 2 (a fork of the base model with the core only, because free, unassumed clue
        encodings slow every solve down): try to drop each clue, plain named facts first and
-       compound / indirect clues last, so the clues that survive need reasoning. An infeasible
+       compound / indirect clues last (one solve first tries dropping all plain facts at once),
+       so the clues that survive need reasoning. An infeasible
        try drops it (and shrinks the set to a re-checked core); a feasible one gives a witness
        night proving the clue is needed. Witnesses also come for free from one- and two-change
        variations of the truth checked in Python (`nearby_nights`), which skips most solves.
@@ -349,6 +377,16 @@ def select_clues(setting: Setting, truth: Night, answers: Sequence[Atom], pool: 
     # otherwise be made of them).
     assumed = [cl for cl in candidates if cl[0].tier > 0]
     direct = [cl for cl in candidates if cl[0].tier == 0]
+    near = nearby_nights(setting, truth)
+    # Nights next to the truth that the indirect clues let through are found in Python first,
+    # and each gets one plain fact that rules it out: that saves a solve per such night.
+    for night in _unexcluded(setting, truth, near, [c for c, _ in assumed]):
+        if all(c.holds(setting, night) for c, _ in assumed):
+            broken = [cl for cl in direct if not cl[0].holds(setting, night)]
+            if broken:
+                pick = broken[int(rng.random() * len(broken))]
+                direct.remove(pick)
+                assumed.append(pick)
     solves = bad_cores = 0
     while True:
         feasible, core, night = model.solve([lit for _, lit in assumed])
@@ -390,27 +428,24 @@ def select_clues(setting: Setting, truth: Night, answers: Sequence[Atom], pool: 
     # variations of the truth: each that breaks a single kept clue proves that clue needed
     # without a solve (most kept clues get their proof this way on larger puzzles).
     found: list[tuple[Night, set[Clue]]] = []
-    readers: dict[int, list[Clue]] = {}
-    for c in keep:
-        for e in depends_on(c, setting, truth):
-            readers.setdefault(e, []).append(c)
-    for moved, night in nearby_nights(setting, truth):
-        # A moved entity can only break clues that read it.
+    readers = _readers(setting, truth, keep)
+    for moved, night in near:
         broken: set[Clue] = set()
-        if moved >= 0:
-            readers_of_change = readers.get(moved, [])
-        elif moved == -1:
-            readers_of_change = keep
-        else:  # a suspect and a weapon moved together
-            pair = divmod(-2 - moved, setting.num_entities)
-            readers_of_change = list(dict.fromkeys(readers.get(pair[0], []) + readers.get(pair[1], [])))
-        for c in readers_of_change:
+        for c in _readers_of(readers, moved, keep, setting):
             if not c.holds(setting, night):
                 broken.add(c)
                 if len(broken) > 1:
                     break
         if len(broken) == 1 and not all(a.holds(setting, night) for a in answers):
             found.append((night, broken))
+    # Plain facts are tried for removal first; one solve can often drop them all at once.
+    plain = [c for c in keep if c.tier == 0]
+    if len(plain) > 1:
+        rest = [c for c in keep if c.tier > 0]
+        feasible, core, _ = model.solve([lit_of[c] for c in rest])
+        solves += 1
+        if not feasible:
+            kept = set(rest)
     for clue in sorted(keep, key=lambda c: rank[c]):
         if clue not in kept:
             continue
