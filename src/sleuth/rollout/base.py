@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -284,6 +285,24 @@ def resolve_future(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any],
     # RuntimeError: the caller's event loop is gone (it timed out and returned).
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(set_it)
+
+
+def finish_sample(group: Any, index: int, tokens: list[int], logprobs: list[float], reason: str,
+                  tokenizer: Any, counts: dict[str, int]) -> None:
+    """Store sample `index` of an engine's in-flight group, count it, and resolve the group's future
+    once all n samples are in. Both engines decode text here, so they decode it the same way."""
+    group.samples[index] = Sample(
+        token_ids=tokens, logprobs=logprobs, finish_reason=reason,  # type: ignore[arg-type]
+        text=tokenizer.decode(tokens, skip_special_tokens=True),
+        time_s=time.perf_counter() - group.start,
+    )
+    counts["samples"] += 1
+    counts["tokens"] += len(tokens)
+    counts["aborted"] += reason == "abort"
+    if all(s is not None for s in group.samples):
+        done = [s for s in group.samples if s is not None]
+        resolve_future(group.loop, group.future,
+                       result=GenerationResult(group.request, done, time.perf_counter() - group.start))
 
 
 def write_adapter(adapter: LoraAdapter, folder: Path, base_model: str) -> Path:

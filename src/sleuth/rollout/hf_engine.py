@@ -31,6 +31,7 @@ from sleuth.rollout.base import (
     RolloutEngine,
     RolloutTimeoutError,
     check_request,
+    finish_sample,
     resolve_future,
 )
 
@@ -257,18 +258,7 @@ class HFEngine(RolloutEngine):
 
     def _finish(self, r: _Row, reason: FinishReason) -> None:
         r.done = True
-        g = r.group
-        g.samples[r.index] = Sample(
-            token_ids=r.tokens, logprobs=r.logprobs, finish_reason=reason,
-            text=self.tokenizer.decode(r.tokens, skip_special_tokens=True),
-            time_s=time.perf_counter() - g.start,
-        )
-        self._counts["samples"] += 1
-        self._counts["tokens"] += len(r.tokens)
-        self._counts["aborted"] += reason == "abort"
-        if all(s is not None for s in g.samples):
-            resolve_future(g.loop, g.future, result=GenerationResult(g.request, [s for s in g.samples if s is not None],
-                                                time.perf_counter() - g.start))
+        finish_sample(r.group, r.index, r.tokens, r.logprobs, reason, self.tokenizer, self._counts)
 
 
 def _sample_rows(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:

@@ -43,6 +43,7 @@ from sleuth.rollout.base import (
     RolloutEngine,
     RolloutTimeoutError,
     check_request,
+    finish_sample,
     moving_average_below,
     resolve_future,
     sample_seed,
@@ -399,18 +400,7 @@ class VLLMEngine(RolloutEngine):
     def _finish(self, key: str, a: _Active, reason: FinishReason, active: dict[str, _Active]) -> None:
         del active[key]
         self.limiter.release(key, None if reason == "abort" else len(a.tokens))
-        g = a.group
-        g.samples[a.index] = Sample(
-            token_ids=a.tokens, logprobs=a.logprobs, finish_reason=reason,
-            text=self.tokenizer.decode(a.tokens, skip_special_tokens=True),
-            time_s=time.perf_counter() - g.start,
-        )
-        self._counts["samples"] += 1
-        self._counts["tokens"] += len(a.tokens)
-        self._counts["aborted"] += reason == "abort"
-        if all(s is not None for s in g.samples):
-            done = [s for s in g.samples if s is not None]
-            resolve_future(g.loop, g.future, result=GenerationResult(g.request, done, time.perf_counter() - g.start))
+        finish_sample(a.group, a.index, a.tokens, a.logprobs, reason, self.tokenizer, self._counts)
 
     def _drop_cancelled(self, pending: deque[tuple[_Group, int]], active: dict[str, _Active]) -> None:
         """Forget the samples of requests whose caller timed out: abort them in vLLM, free KV room."""
