@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.config import TaskConfig
-from sleuth.errors import ConfigError, DataError
+from sleuth.errors import ConfigError, DataError, read_text_file
 from sleuth.records import Message, Problem
 from sleuth.tasks.base import Task
 from sleuth.tasks.order import stream_index
@@ -39,11 +39,7 @@ _GROUPED_INTEGER = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+")
 def load_math_problems(path: str | Path) -> list[dict[str, Any]]:
     """Every {problem, answer, id} of a JSONL file; DataError naming the file and line otherwise."""
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise DataError(f"cannot read math problem file {p}: {reason}") from None
+    text = read_text_file(p, "math problem file")
     items = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():

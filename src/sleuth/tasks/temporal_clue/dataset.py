@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from sleuth.errors import DataError
+from sleuth.errors import DataError, read_text_file
 
 ANSWER_TYPES = ("SUSPECT", "WEAPON", "ROOM", "TIME", "MOTIVE")
 """The placeholders of the answer-format section, one per kind of answer."""
@@ -50,11 +50,7 @@ def _check_puzzle(obj: Any, where: str) -> dict[str, Any]:
 def load_puzzles(path: str | Path) -> list[dict[str, Any]]:
     """Every puzzle of a published JSON list or a JSONL file, in file order."""
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise DataError(f"cannot read puzzle file {p}: {reason}") from None
+    text = read_text_file(p, "puzzle file")
     if text.lstrip().startswith("["):
         try:
             items = json.loads(text)
