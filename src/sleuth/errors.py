@@ -16,14 +16,3 @@ class ConfigError(UserError):
 class DataError(UserError):
     """An unreadable or malformed data file."""
 
-
-def read_text_file(path: object, what: str) -> str:
-    """A UTF-8 text file's contents, or a DataError naming `what` and the path on one line."""
-    from pathlib import Path
-
-    p = Path(str(path))
-    try:
-        return p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise DataError(f"cannot read {what} {p}: {reason}") from None

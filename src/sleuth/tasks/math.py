@@ -12,14 +12,14 @@ numeric equivalence: "\\frac{1}{2}" equals "0.5"), with a time limit on each of 
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from pathlib import Path
 from typing import Any
 
 from sleuth.config import TaskConfig
-from sleuth.errors import ConfigError, DataError, read_text_file
+from sleuth.datafiles import jsonl_objects, read_text_file
+from sleuth.errors import ConfigError, DataError
 from sleuth.records import Message, Problem
 from sleuth.tasks.base import Task
 from sleuth.tasks.order import stream_index
@@ -41,13 +41,7 @@ def load_math_problems(path: str | Path) -> list[dict[str, Any]]:
     p = Path(path)
     text = read_text_file(p, "math problem file")
     items = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"math problem file {p} line {lineno}: not valid JSON ({e.msg})") from None
+    for lineno, obj in jsonl_objects(text, f"math problem file {p}"):
         if not isinstance(obj, dict) or not isinstance(obj.get("problem"), str):
             raise DataError(f"math problem file {p} line {lineno}: needs a string 'problem'")
         answer = obj.get("answer")

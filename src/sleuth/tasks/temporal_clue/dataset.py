@@ -17,7 +17,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from sleuth.errors import DataError, read_text_file
+from sleuth.datafiles import jsonl_objects, read_text_file
+from sleuth.errors import DataError
 
 ANSWER_TYPES = ("SUSPECT", "WEAPON", "ROOM", "TIME", "MOTIVE")
 """The placeholders of the answer-format section, one per kind of answer."""
@@ -58,15 +59,8 @@ def load_puzzles(path: str | Path) -> list[dict[str, Any]]:
             raise DataError(f"puzzle file {p} line {e.lineno}: not valid JSON ({e.msg})") from None
         puzzles = [_check_puzzle(obj, f"puzzle file {p} item {i}") for i, obj in enumerate(items)]
     else:
-        puzzles = []
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"puzzle file {p} line {lineno}: not valid JSON ({e.msg})") from None
-            puzzles.append(_check_puzzle(obj, f"puzzle file {p} line {lineno}"))
+        puzzles = [_check_puzzle(obj, f"puzzle file {p} line {lineno}")
+                   for lineno, obj in jsonl_objects(text, f"puzzle file {p}")]
     if not puzzles:
         raise DataError(f"puzzle file {p} holds no puzzles")
     return puzzles
