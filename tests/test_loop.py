@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from sleuth.cli.train import default_config_path
 from sleuth.config import load_config
 from sleuth.loop import train
 from sleuth.testing.tiny_model import write_tiny_model
@@ -139,7 +140,8 @@ def test_sigkill_then_resume_matches_uninterrupted(setup_files, tmp_path):
     iterations = 12
     args = overrides(tiny, task_file, iterations=iterations)
     reference = tmp_path / "reference"
-    train(load_config(None, args), reference, out=StringIO())
+    # The same config as the CLI below reads: the embedded default file, then the overrides.
+    train(load_config(default_config_path(), args), reference, out=StringIO())
 
     # On an idle machine an iteration of the tiny model takes well under a second, so a kill aimed
     # late in the run can land after it has finished. Such an attempt proves nothing and is made

@@ -290,3 +290,15 @@ def test_state_dict_resumes_exactly(tmp_path: Path) -> None:
     for a, b in zip(expected, resumed.trainable_parameters()):
         torch.testing.assert_close(b.detach(), a, rtol=0, atol=0)
     assert trainer2.scheduler.get_last_lr() == trainer.scheduler.get_last_lr()
+
+
+def test_step_reports_each_packed_row_for_a_progress_bar() -> None:
+    policy = make_policy(True, seed=2)
+    trainer = Trainer(policy, AlgorithmConfig(), TrainerConfig(row_tokens=24, epochs_per_iteration=2,
+                                                               self_check=False), max_tokens=8)
+    groups, _ = compute_advantages(random_groups(3), "grpo", drop_zero=True)
+    calls: list[tuple[int, int]] = []
+    out = trainer.step(groups, on_row=lambda done, total: calls.append((done, total)))
+    rows = int(out["rows"])
+    assert rows >= 2
+    assert calls == [(i, 2 * rows) for i in range(1, 2 * rows + 1)]

@@ -75,11 +75,15 @@ def test_add_choices_marks_question_lines_only() -> None:
     assert "A. Who murdered Mr. Boddy? (choose from: Miss Peach, Mrs. White)" in out
     assert "C. Where was Miss Peach? (choose from: Billiard Room, Lounge)" in out
     assert out.count("(choose from:") == len(puzzle["solution"])
-    # The answer-format section is untouched, and adding twice changes nothing.
-    assert out.endswith(puzzle["prompt"][puzzle["prompt"].index("Fill out") :])
+    # The answer sheet's placeholders are described, it still parses the same, and adding twice
+    # changes nothing.
+    sheet = out[out.index("Fill out") :]
+    assert "A. <name of the suspect>\nB. <name of the room>\n" in sheet and "SUSPECT" not in sheet
+    assert parse_choices(out) == choices
     assert add_choices(out, choices) == out
-    # Lines other than the questions are unchanged.
-    assert out.replace(" (choose from: Miss Peach, Mrs. White)", "").replace(
+    # Lines other than the questions and the sheet are unchanged.
+    undescribed = out.replace("<name of the suspect>", "SUSPECT").replace("<name of the room>", "ROOM")
+    assert undescribed.replace(" (choose from: Miss Peach, Mrs. White)", "").replace(
         " (choose from: Billiard Room, Lounge)", ""
     ) == puzzle["prompt"]
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from sleuth.errors import UserError
+from sleuth.tasks.temporal_clue.dataset import DESCRIBED, answer_format
 from sleuth.tasks.temporal_clue.game import check_rules
 from sleuth.tasks.temporal_clue.generate import (
     Puzzle,
@@ -111,7 +112,14 @@ def test_list_choices_appends_the_valid_answers_to_each_question() -> None:
     for line in lines:
         letter = line[0]
         assert line.endswith(" (choose from: " + ", ".join(listed["choices"][letter]) + ")")
-    assert re.sub(r" \(choose from: [^)]*\)", "", listed["prompt"]) == plain["prompt"]
+    # The answer sheet says what goes on each line instead of the bare placeholder.
+    sheet = listed["prompt"].rpartition("following format:")[2]
+    assert "<name of the suspect>" in sheet and "SUSPECT" not in sheet
+    undescribed = listed["prompt"]
+    for kind, described in DESCRIBED.items():
+        undescribed = undescribed.replace(described, kind)
+    assert re.sub(r" \(choose from: [^)]*\)", "", undescribed) == plain["prompt"]
+    assert answer_format(listed["prompt"]) == answer_format(plain["prompt"])
 
 
 def test_same_seed_same_record_and_different_seeds_differ() -> None:

@@ -180,3 +180,31 @@ def test_block_scan_equals_a_single_full_scan() -> None:
         for start, answer_start in spans:
             expected[text[start].upper()] = _answer_at(text, answer_start, letters)
         assert extract_answers(text, set(letters)) == expected
+
+
+def test_answer_sheet_key_votes_on_answers_not_formatting() -> None:
+    from sleuth.tasks.temporal_clue.grade import answer_sheet_key
+
+    letters = ["A", "B"]
+    one = answer_sheet_key(letters, "A. Mrs. White\nB. Rope")
+    assert one == (("A", "mrswhite"), ("B", "rope"))
+    assert answer_sheet_key(letters, "Thinking...\n**A.** mrs white\nB: the Rope") == one
+    assert answer_sheet_key(letters, "A. Mrs. White\nB. Knife") != one
+    assert answer_sheet_key(letters, "no answers here") is None
+    assert answer_sheet_key(letters, None) is None  # type: ignore[arg-type]
+
+
+def test_temporal_clue_majority_vote_uses_the_answer_sheet() -> None:
+    from sleuth.config import TaskConfig
+    from sleuth.evaluate import answer_key_fn, majority_reward
+    from sleuth.tasks.temporal_clue.task import TemporalClueTask
+
+    task = TemporalClueTask(TaskConfig(difficulty=1, eval_size=1))
+    problem = task.eval_problems()[0]
+    right = "\n".join(f"{k}. {v}" for k, v in sorted(problem.answer.items()))
+    texts = [right, "Here goes:\n" + right.lower(), "A. nobody"]
+    key = answer_key_fn(task)
+    keys = [key(problem, t) for t in texts]
+    assert keys[0] == keys[1] != keys[2]
+    rewards = [task.score(problem, t) for t in texts]
+    assert majority_reward(rewards, keys) == 1.0

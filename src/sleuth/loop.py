@@ -198,7 +198,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
                 # 5. Pack groups into rows (shared prompts) and take the optimizer step.
                 t = time.perf_counter()
                 # (an empty batch still counts as a step, so the schedule does not depend on luck)
-                step_metrics = run.trainer.step(train_groups)
+                step_metrics = _train_step(run, train_groups, progress)
                 metrics.update({f"train_{k}" if k in metrics else k: v for k, v in step_metrics.items()})
                 metrics["time_train_s"] = time.perf_counter() - t
 
@@ -261,6 +261,19 @@ def _generate(engine: RolloutEngine, requests: list[GenerationRequest],
 
     try:
         return asyncio.run(collect())
+    finally:
+        progress.remove(bar)
+
+
+def _train_step(run: Run, groups: list[Group], progress: Progress) -> dict[str, float]:
+    """The trainer's step with a bar over its packed rows (x epochs)."""
+    bar = progress.bar("training", total=None)
+
+    def on_row(done: int, total: int) -> None:
+        progress.update(bar, completed=done, total=total)
+
+    try:
+        return run.trainer.step(groups, on_row=on_row)
     finally:
         progress.remove(bar)
 

@@ -46,6 +46,9 @@ class Progress:
     def reset(self, bar: TaskID, total: float | None) -> None:
         self._rich.reset(bar, total=total)
 
+    def update(self, bar: TaskID, completed: float, total: float | None = None) -> None:
+        self._rich.update(bar, completed=completed, total=total)
+
     def advance(self, bar: TaskID, amount: float = 1) -> None:
         self._rich.advance(bar, amount)
 

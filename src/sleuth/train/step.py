@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,8 +106,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, groups: list[Group]) -> dict[str, float]:
+    def step(self, groups: list[Group], on_row: Callable[[int, int], None] | None = None) -> dict[str, float]:
         """One iteration's update (epochs_per_iteration optimizer steps) over all groups.
+
+        `on_row(done, total)` is called after each packed row's backward pass (for a progress bar;
+        total = rows x epochs).
 
         Returns METRIC_KEYS (loss, clip fractions and grad norm averaged over the epochs; kl, entropy
         and TIS statistics as token means of the first epoch; kl is 0 when kl_beta is 0, where it is
@@ -131,7 +135,10 @@ class Trainer:
         skipped = 0
         for epoch in range(epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            stats = self._pass(batch, cache, first=epoch == 0)
+            done = epoch * len(batch.rows)
+            stats = self._pass(batch, cache, first=epoch == 0,
+                               on_row=None if on_row is None else
+                               lambda r, done=done: on_row(done + r, epochs * len(batch.rows)))
             finite = math.isfinite(stats["loss"])
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)) if finite else math.nan
             if finite and math.isfinite(grad_norm):
@@ -169,7 +176,8 @@ class Trainer:
         # flex_attention works in 128-token blocks; padding rows to them avoids recompilation.
         return 128 if self.policy.attn_backend == "flex_attention" else 1
 
-    def _pass(self, batch: PackedBatch, cache: _PassCache, first: bool) -> dict[str, float]:
+    def _pass(self, batch: PackedBatch, cache: _PassCache, first: bool,
+              on_row: Callable[[int], None] | None = None) -> dict[str, float]:
         """Forward + backward over every row, accumulating gradients; stops at a non-finite loss."""
         policy, algo = self.policy, self.algo
         beta = algo.kl_beta
@@ -205,6 +213,8 @@ class Trainer:
             sums["tis_weight_mean"] += float(tis.sum())
             if algo.tis_cap is not None:
                 sums["tis_capped_frac"] += float((tis >= algo.tis_cap).sum())
+            if on_row is not None:
+                on_row(r + 1)
         out = {k: v / n_tok for k, v in sums.items()}
         out.update({"loss": loss_sum, "clip_frac_low": low / n_tok, "clip_frac_high": high / n_tok})
         return out

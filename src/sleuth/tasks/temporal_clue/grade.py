@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from functools import lru_cache
 
 # What may stand right before a marker's letter: whitespace (or the text's start), an opening
@@ -201,3 +201,14 @@ def grade(solution: Mapping[str, str], completion: str) -> float:
     given = extract_answers(completion, set(letters))
     correct = sum(1 for letter, truth in letters.items() if letter in given and answer_matches(given[letter], truth))
     return correct / len(solution)
+
+
+def answer_sheet_key(letters: Iterable[str], completion: str) -> tuple[tuple[str, str], ...] | None:
+    """The answers a completion gives, in a form for majority votes: (letter, comparison form) per
+    question it answers, sorted by letter, periods dropped ("Mrs White" votes with "Mrs. White");
+    None when it answers none of `letters`."""
+    if not isinstance(completion, str):
+        return None
+    given = extract_answers(completion, {str(c).upper() for c in letters})
+    key = tuple(sorted((letter, answer_key(_clean(text)).replace(".", "")) for letter, text in given.items()))
+    return key or None

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sleuth.tasks.temporal_clue.clues import Atom, Clue
+from sleuth.tasks.temporal_clue.dataset import DESCRIBED
 from sleuth.tasks.temporal_clue.game import Setting
 
 INTRO = (
@@ -93,6 +94,9 @@ def render_prompt(setting: Setting, clues: Sequence[Clue], questions: Sequence[Q
     if bonus:
         lines += ["", "And the following bonus question(s):", "", *(question_line(i) for i in bonus)]
     lines += ["", "Fill out your final answers in the following format:", ""]
-    lines += [f"{letters[i]}. {q.placeholder}" for i, q in enumerate(questions)]
+    # With the choices listed the sheet also says what goes on each line (`<name of the suspect>`):
+    # a small model copies bare placeholders (`A. SUSPECT`) verbatim (see dataset.DESCRIBED).
+    lines += [f"{letters[i]}. {DESCRIBED[q.placeholder] if list_choices else q.placeholder}"
+              for i, q in enumerate(questions)]
     lines += ["", "Best of luck, detective."]
     return "\n".join(lines)

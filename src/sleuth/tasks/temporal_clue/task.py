@@ -25,7 +25,7 @@ from sleuth.records import Message, Problem
 from sleuth.tasks.base import Task
 from sleuth.tasks.order import derive_seed, stream_index
 from sleuth.tasks.temporal_clue.dataset import add_choices, load_puzzles, parse_choices
-from sleuth.tasks.temporal_clue.grade import grade
+from sleuth.tasks.temporal_clue.grade import answer_sheet_key, grade
 
 EVAL_SEED_OFFSET = 1
 """Held-out puzzle j is generated with seed 2 * j + EVAL_SEED_OFFSET (odd)."""
@@ -143,6 +143,10 @@ class TemporalClueTask(Task):
 
     def score(self, problem: Problem, completion: str) -> float:
         return grade(problem.answer, completion)
+
+    def answer_key(self, problem: Problem, completion: str) -> tuple[tuple[str, str], ...] | None:
+        """maj@k votes on the whole answer sheet (every question's answer), not on the raw text."""
+        return answer_sheet_key(problem.answer, completion)
 
     def chance_reward(self, problem: Problem) -> float | None:
         choices = problem.metadata.get("choices")
