@@ -314,6 +314,40 @@ def test_hf_prefills_each_prompt_once(model_dir):
     eng.close()
 
 
+def test_hf_shared_prompt_decoding_equals_a_repeated_cache(model_dir, monkeypatch):
+    import sleuth.rollout.shared_prefix as shared_prefix
+
+    monkeypatch.setattr(shared_prefix, "INITIAL_SLOTS", 4)  # so the own-token slots must grow
+    eng = make_engine(RolloutConfig(engine="hf"), str(model_dir), "float32", seed=0)
+    assert eng.shared_prefix
+    # Prompts of different lengths (left padding) and stop strings (rows end at different steps,
+    # so finished rows are dropped from the batch mid-way).
+    requests = [req(8, 20, seed=1, plen=40, stop=("a", "e")), req(6, 20, seed=2, plen=25), req(3, 9, seed=3, plen=7)]
+    shared = eng.generate_all(requests)
+    eng.shared_prefix = False
+    repeated = eng.generate_all(requests)
+    eng.close()
+    assert tokens_of(shared) == tokens_of(repeated)
+    assert len({len(t) for t in tokens_of(shared)}) > 1
+    for a, b in zip(shared, repeated):
+        for x, y in zip(a.samples, b.samples):
+            assert x.finish_reason == y.finish_reason
+            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+
+
+def test_hf_engine_switches_a_plain_sdpa_model_to_shared_prompt_decoding(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sleuth.rollout.hf_engine import HFEngine
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    eng = HFEngine(model, AutoTokenizer.from_pretrained(model_dir))
+    assert eng.shared_prefix and model.config._attn_implementation == "sleuth_packed"
+    eager = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    assert not HFEngine(eager, AutoTokenizer.from_pretrained(model_dir)).shared_prefix
+    eng.close()
+
+
 def test_hf_top_p_keeps_the_nucleus(model_dir):
     # top_p tiny: only the most likely token survives, so sampling equals greedy decoding.
     eng = make_engine(RolloutConfig(engine="hf"), str(model_dir), "float32", seed=0)

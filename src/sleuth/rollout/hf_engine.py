@@ -34,6 +34,8 @@ from sleuth.rollout.base import (
     finish_sample,
     resolve_future,
 )
+from sleuth.rollout.shared_prefix import SharedPrefixCache
+from sleuth.train.attention import PACKED, register_packed_attention
 
 DEFAULT_MAX_ROWS = 64
 """Rows (samples) decoded together when rollout.max_concurrency is not set."""
@@ -78,6 +80,8 @@ class HFEngine(RolloutEngine):
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.eos_ids = _eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.shared_prefix = _shared_prefix_ready(model)
+        """Decode with each prompt's KV stored once (shared_prefix.py); else a repeated cache."""
         self._counter = itertools.count()
         self._pending: list[_Group] = []
         self._lock = threading.Lock()
@@ -88,7 +92,9 @@ class HFEngine(RolloutEngine):
         from sleuth.models import load_causal_lm, load_tokenizer, resolve_model_path
 
         folder = str(resolve_model_path(model_path))
-        return cls(load_causal_lm(folder, dtype), load_tokenizer(folder), model_path=folder, **kwargs)
+        register_packed_attention()
+        model = load_causal_lm(folder, dtype, attn_implementation=PACKED)
+        return cls(model, load_tokenizer(folder), model_path=folder, **kwargs)
 
     # ------------------------------------------------------------------ interface
 
@@ -185,12 +191,15 @@ class HFEngine(RolloutEngine):
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
-        # Share: repeat each group's cache (and last logits) to its n rows.
+        cache: Any = out.past_key_values
         repeats = torch.tensor([g.request.n for g in groups], device=device)
-        for layer in cache.layers:
-            layer.keys = layer.keys.repeat_interleave(repeats, dim=0)
-            layer.values = layer.values.repeat_interleave(repeats, dim=0)
+        if self.shared_prefix:  # each prompt's KV stays one copy; rows keep only their own tokens
+            cache = SharedPrefixCache([(layer.keys, layer.values) for layer in cache.layers], mask,
+                                      [g.request.n for g in groups], max(g.max_new for g in groups))
+        else:  # repeat each group's cache to its n rows
+            for layer in cache.layers:
+                layer.keys = layer.keys.repeat_interleave(repeats, dim=0)
+                layer.values = layer.values.repeat_interleave(repeats, dim=0)
         logits = out.logits[:, -1].float().repeat_interleave(repeats, dim=0)
         mask = mask.repeat_interleave(repeats, dim=0)
         next_pos = positions[:, -1].repeat_interleave(repeats, dim=0) + 1
@@ -218,13 +227,23 @@ class HFEngine(RolloutEngine):
             # wasted, but re-indexing the whole cache every step costs too.
             if len(keep) <= 0.75 * len(rows):
                 idx = torch.tensor(keep, device=device)
-                for layer in cache.layers:
-                    layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+                if self.shared_prefix:
+                    cache.keep_rows(idx)
+                else:
+                    for layer in cache.layers:
+                        layer.keys, layer.values = layer.keys[idx], layer.values[idx]
                 rows = [rows[i] for i in keep]
                 tokens, mask, next_pos, ma = tokens[idx], mask[idx], next_pos[idx], ma[idx.cpu()]
-            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], dim=1)
-            out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                        past_key_values=cache, use_cache=True)
+            if self.shared_prefix:
+                # The override computes the attention; the model needs only some prepared 4D mask
+                # (which it passes through untouched) to skip building its own.
+                kw = {"attention_override": cache,
+                      "attention_mask": torch.ones((len(rows), 1, 1, 1), dtype=torch.bool, device=device)}
+            else:
+                mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], dim=1)
+                kw = {"attention_mask": mask}
+            out = model(input_ids=tokens[:, None], position_ids=next_pos[:, None], past_key_values=cache,
+                        use_cache=True, **kw)
             cache = out.past_key_values
             logits = out.logits[:, -1].float()
             next_pos = next_pos + 1
@@ -280,6 +299,17 @@ def _hits_stop(tokenizer: Any, tokens: list[int], stops: tuple[str, ...]) -> boo
     window = max(len(s.encode()) for s in stops) + 1
     tail = tokenizer.decode(tokens[-window:], skip_special_tokens=True)
     return any(s in tail for s in stops)
+
+
+def _shared_prefix_ready(model: Any) -> bool:
+    """Whether the model's attention is sleuth's registered one (which takes attention_override).
+    A model on plain "sdpa" is switched to it: without the override it is exactly sdpa."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl == "sdpa" and hasattr(model, "set_attn_implementation"):
+        register_packed_attention()
+        model.set_attn_implementation(PACKED)
+        impl = getattr(model.config, "_attn_implementation", None)
+    return impl == PACKED
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:

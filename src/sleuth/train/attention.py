@@ -106,8 +106,14 @@ def _packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, la
 def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                              value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                              scaling: float | None = None, packed_layout: RowLayout | None = None,
-                             **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers attention interface: structured packed attention, or plain sdpa without a layout."""
+                             attention_override: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: structured packed attention, or plain sdpa without a layout.
+
+    `attention_override` (a forward keyword, like packed_layout): an object whose
+    attend(module, query, key, value, scaling) computes the attention instead; the rollout engine's
+    shared-prompt decoding uses it (rollout/shared_prefix.py)."""
+    if attention_override is not None:
+        return attention_override.attend(module, query, key, value, scaling)
     if packed_layout is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
