@@ -163,4 +163,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # the table alone on stdout
     main()
