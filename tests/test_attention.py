@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from sleuth.records import Completion, Group, Problem
@@ -60,14 +61,24 @@ def test_sdpa_llama_with_packed_mask_matches_separate_sequences() -> None:
             torch.testing.assert_close(packed[: len(prompt)], alone[: len(prompt)], rtol=1e-5, atol=1e-5)
 
 
-def test_packed_attention_equals_dense_mask_forward_and_backward() -> None:
+LONG_PROMPT = list(range(50, 62))  # 12 tokens: completions of up to 5 take the masked path
+
+
+@pytest.mark.parametrize("layout", ["short_prompts", "batched_completions"])
+def test_packed_attention_equals_dense_mask_forward_and_backward(layout: str) -> None:
     register_packed_attention()
+    if layout == "short_prompts":
+        specs = [([5, 6, 7], [[20, 21], [30, 31, 32, 33]]), ([9] * 5, [[40], [41, 42]])]
+        budget, length, real = 64, 24, 17
+    else:  # unequal completions of one long prompt: batched in length buckets, padded, reordered
+        specs = [(LONG_PROMPT, [[20, 21, 22, 23], [30, 31, 32, 33, 34], [35, 36, 37, 38, 39], [24, 25, 26], [40]])]
+        budget, length, real = 64, 32, 30
     groups = []
-    for g, (prompt, comps) in enumerate([([5, 6, 7], [[20, 21], [30, 31, 32, 33]]), ([9] * 5, [[40], [41, 42]])]):
+    for g, (prompt, comps) in enumerate(specs):
         groups.append(Group(Problem(f"p{g}", [], None), prompt,
                             [Completion(prompt, c, [0.0] * len(c), "stop", "") for c in comps], [1.0] * len(comps)))
-    (row,) = pack_groups(groups, 64, pad_to_multiple=8).rows
-    assert row.length == 24 and row.n_real_tokens == 17
+    (row,) = pack_groups(groups, budget, pad_to_multiple=8).rows
+    assert row.length == length and row.n_real_tokens == real
     results = []
     for impl in ("sdpa", PACKED):
         model = build_model(hidden=32, layers=2, heads=4, kv_heads=2, seed=3)
@@ -88,3 +99,11 @@ def test_packed_attention_equals_dense_mask_forward_and_backward() -> None:
         plain = model(input_ids=ids).logits
         model.set_attn_implementation(PACKED)
         torch.testing.assert_close(model(input_ids=ids).logits, plain)
+
+
+def test_length_buckets_bound_the_padding() -> None:
+    from sleuth.train.attention import _length_buckets
+
+    sizes = [12, 4, 5, 5, 3, 1]
+    assert _length_buckets([1, 2, 3, 4, 5], sizes) == [[2, 3, 1, 4], [5]]
+    assert _length_buckets([], sizes) == []

@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -287,7 +288,20 @@ def resolve_future(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any],
         loop.call_soon_threadsafe(set_it)
 
 
-def finish_sample(group: Any, index: int, tokens: list[int], logprobs: list[float], reason: str,
+@dataclass(kw_only=True)
+class InFlightGroup:
+    """What both engines track for a request being generated: finish_sample fills `samples` and
+    resolves `future` on the caller's `loop`; `cancelled` stops its remaining samples."""
+
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[GenerationResult]
+    start: float
+    samples: list[Sample | None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+def finish_sample(group: InFlightGroup, index: int, tokens: list[int], logprobs: list[float], reason: str,
                   tokenizer: Any, counts: dict[str, int]) -> None:
     """Store sample `index` of an engine's in-flight group, count it, and resolve the group's future
     once all n samples are in. Both engines decode text here, so they decode it the same way."""

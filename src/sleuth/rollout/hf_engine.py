@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 from sleuth.errors import UserError
-from sleuth.records import FinishReason, Sample
+from sleuth.records import FinishReason
 from sleuth.rollout.base import (
     GenerationRequest,
     GenerationResult,
+    InFlightGroup,
     RolloutEngine,
     RolloutTimeoutError,
     check_request,
@@ -41,16 +42,10 @@ DEFAULT_MAX_ROWS = 64
 """Rows (samples) decoded together when rollout.max_concurrency is not set."""
 
 
-@dataclass
-class _Group:
-    request: GenerationRequest
+@dataclass(kw_only=True)
+class _Group(InFlightGroup):
     max_new: int
     generator: torch.Generator
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[GenerationResult]
-    start: float
-    samples: list[Sample | None] = field(default_factory=list)
-    cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -105,8 +100,8 @@ class HFEngine(RolloutEngine):
             seed = self.seed * 1_000_003 + next(self._counter)
         gen = torch.Generator().manual_seed(seed)
         loop = asyncio.get_running_loop()
-        group = _Group(request, max_new, gen, loop, loop.create_future(), time.perf_counter(),
-                       samples=[None] * request.n)
+        group = _Group(request=request, max_new=max_new, generator=gen, loop=loop, future=loop.create_future(),
+                       start=time.perf_counter(), samples=[None] * request.n)
         with self._lock:
             self._pending.append(group)
         # Let the other requests issued together (gather, stream) queue up first, so they share

@@ -25,7 +25,6 @@ import os
 import queue
 import shutil
 import tempfile
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -35,10 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.errors import UserError
-from sleuth.records import FinishReason, Sample
+from sleuth.records import FinishReason
 from sleuth.rollout.base import (
     GenerationRequest,
     GenerationResult,
+    InFlightGroup,
     LoraAdapter,
     RolloutEngine,
     RolloutTimeoutError,
@@ -54,17 +54,11 @@ from sleuth.rollout.limiter import KVLimiter
 GiB = 1024**3
 
 
-@dataclass
-class _Group:
-    request: GenerationRequest
+@dataclass(kw_only=True)
+class _Group(InFlightGroup):
     gid: str
     max_new: int
     seed: int
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[GenerationResult]
-    start: float
-    samples: list[Sample | None]
-    cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -186,8 +180,8 @@ class VLLMEngine(RolloutEngine):
         if seed is None:
             seed = self.seed * 1_000_003 + next(self._counter) * 1009
         loop = asyncio.get_running_loop()
-        group = _Group(request, f"g{next(self._counter)}", max_new, seed, loop, loop.create_future(),
-                       time.perf_counter(), [None] * request.n)
+        group = _Group(request=request, gid=f"g{next(self._counter)}", max_new=max_new, seed=seed, loop=loop,
+                       future=loop.create_future(), start=time.perf_counter(), samples=[None] * request.n)
         self._inbox.put(group)
         try:
             return await asyncio.wait_for(asyncio.shield(group.future), self.timeout_s)

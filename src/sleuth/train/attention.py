@@ -7,8 +7,9 @@ never mixes with real tokens.
 Three ways to apply the rule, chosen by the model's attn_implementation:
 
 - "sleuth_packed" (CPU default): our attention function, registered with transformers, that runs
-  scaled_dot_product_attention per prompt (causal) and per completion (keys = [prompt | itself]),
-  so it does exactly the needed work and never builds a [T, T] mask. CPU SDPA with an arbitrary
+  scaled_dot_product_attention per prompt (causal) and per prompt's completions (keys = [prompt |
+  own tokens], completions of similar length stacked into one call), so it does only the needed
+  work and never builds a [T, T] mask. CPU SDPA with an arbitrary
   mask computes every block of the T x T score matrix, which for packed rows costs more than the
   sharing saves. Without a row layout it behaves exactly like "sdpa" (generation, plain batches).
 - "sdpa": a dense boolean mask [1, 1, T, T] (True = may attend), which transformers passes
@@ -75,32 +76,77 @@ def _packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, la
     # One split per tensor: its backward is a single concatenation, where slicing each part
     # separately would allocate a full-size zero gradient per slice.
     qs, ks, vs = (t.split([*sizes, pad], dim=2) for t in (query, key, value))
-    outs = []
-    masks: dict[tuple[int, int], torch.Tensor] = {}
+    outs: list[torch.Tensor] = []
     i = 0
     for _, plen, comps in layout.segments:
-        kp, vp, p_idx = ks[i], vs[i], i
-        outs.append(F.scaled_dot_product_attention(qs[i], kp, vp, is_causal=True, **kw))
-        i += 1
-        for _, n in comps:
-            k = torch.cat([kp, ks[i]], dim=2)
-            v = torch.cat([vp, vs[i]], dim=2)
+        p_idx = i
+        outs.append(F.scaled_dot_product_attention(qs[p_idx], ks[p_idx], vs[p_idx], is_causal=True, **kw))
+        first = i + 1
+        i += 1 + len(comps)
+        parts: dict[int, torch.Tensor] = {}
+        masked = []
+        for j, (_, n) in enumerate(comps):
+            c = first + j
             if plen < RECOMPUTE_RATIO * n:
                 # Short prompt: the causal kernel over [prompt | completion] queries (prompt rows
                 # recomputed and dropped) is cheaper than the masked kernel over the full block.
-                q = torch.cat([qs[p_idx], qs[i]], dim=2)
-                outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)[:, :, plen:])
+                q = torch.cat([qs[p_idx], qs[c]], dim=2)
+                k = torch.cat([ks[p_idx], ks[c]], dim=2)
+                v = torch.cat([vs[p_idx], vs[c]], dim=2)
+                parts[c] = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)[:, :, plen:]
             else:
-                mask = masks.get((plen, n))
-                if mask is None:  # keys [prompt | own tokens]: the whole prompt, causal over its own
-                    mask = torch.ones(n, plen + n, dtype=torch.bool, device=query.device)
-                    mask[:, plen:] = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
-                    masks[(plen, n)] = mask
-                outs.append(F.scaled_dot_product_attention(qs[i], k, v, attn_mask=mask, **kw))
-            i += 1
+                masked.append(c)
+        for batch in _length_buckets(masked, sizes):
+            parts.update(_prompt_and_own_attention(qs, ks, vs, p_idx, batch, sizes, kw))
+        outs.extend(parts[c] for c in range(first, i))
     if pad:  # padding: its output is never read
         outs.append(torch.zeros_like(qs[-1]))
     return torch.cat(outs, dim=2)
+
+
+PAD_WASTE = 1.25
+"""Completions of one prompt are batched into one masked attention call while the padded block
+(count x longest) stays within this factor of their real tokens."""
+
+
+def _length_buckets(parts: list[int], sizes: list[int]) -> list[list[int]]:
+    """Groups of part indices, longest first, each padded to its longest within PAD_WASTE."""
+    order = sorted(parts, key=lambda c: -sizes[c])
+    buckets: list[list[int]] = []
+    for c in order:
+        if buckets:
+            b = buckets[-1]
+            if (len(b) + 1) * sizes[b[0]] <= PAD_WASTE * (sum(sizes[x] for x in b) + sizes[c]):
+                b.append(c)
+                continue
+        buckets.append([c])
+    return buckets
+
+
+def _prompt_and_own_attention(qs: tuple[torch.Tensor, ...], ks: tuple[torch.Tensor, ...],
+                              vs: tuple[torch.Tensor, ...], p_idx: int, batch: list[int], sizes: list[int],
+                              kw: dict[str, Any]) -> dict[int, torch.Tensor]:
+    """Completions `batch` of one prompt in one masked call: keys [prompt | own tokens], the
+    completions stacked on the batch dimension (one kernel call instead of one per completion;
+    CPU SDPA also runs its threads over batch x heads). Returns each completion's [1, H, n, D]."""
+    plen = sizes[p_idx]
+    m = sizes[batch[0]]  # the longest: buckets are sorted longest first
+    k_count = len(batch)
+
+    def stacked(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return torch.cat([F.pad(parts[c], (0, 0, 0, m - sizes[c])) for c in batch], dim=0)
+
+    q = stacked(qs)
+    k = torch.cat([ks[p_idx].expand(k_count, -1, -1, -1), stacked(ks)], dim=2)
+    v = torch.cat([vs[p_idx].expand(k_count, -1, -1, -1), stacked(vs)], dim=2)
+    lengths = torch.tensor([sizes[c] for c in batch], device=q.device)
+    own = torch.arange(m, device=q.device)
+    # Prompt keys: all visible. Own keys: causal and real (padding rows of the queries see their
+    # real prefix too, so no row is fully masked; their outputs are dropped).
+    own_mask = (own[None, :] <= own[:, None])[None] & (own[None, None, :] < lengths[:, None, None])
+    mask = torch.cat([torch.ones(k_count, m, plen, dtype=torch.bool, device=q.device), own_mask], dim=2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], **kw)
+    return {c: out[r : r + 1, :, : sizes[c]] for r, c in enumerate(batch)}
 
 
 def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
