@@ -30,7 +30,8 @@ def register(sub: Any) -> None:
     gen.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     gen.add_argument("--out", default="puzzles.jsonl", help="output JSONL file (default puzzles.jsonl)")
     gen.add_argument("--list-choices", action="store_true",
-                     help="append ' (choose from: ...)' with the valid answers to every question")
+                     help="append ' (choose from: ...)' with the valid answers to every question and describe "
+                          "the answer sheet's lines ('A. <name of the suspect>')")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     gen.set_defaults(func=_generate)
 
