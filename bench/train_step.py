@@ -57,6 +57,7 @@ def naive_step(trainer: Trainer, groups: list[Group], micro_batch: int) -> tuple
     width = max(len(p) + len(c.completion_ids) for p, c, _ in seqs)
     start, cpu = time.perf_counter(), time.process_time()
     trainer.optimizer.zero_grad(set_to_none=True)
+    dev = policy.device
     for b in range(0, len(seqs), micro_batch):
         chunk = seqs[b : b + micro_batch]
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
@@ -72,17 +73,19 @@ def naive_step(trainer: Trainer, groups: list[Group], micro_batch: int) -> tuple
             adv.extend([a] * n)
             engine.extend(comp.logprobs)
             w.extend([float(weight[b + r])] * n)
-        hidden = lm.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, torch.tensor(pred))
-        logp, _ = token_logprobs(hidden, lm.get_output_embeddings(), torch.tensor(targets))
+        hidden = lm.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=False).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, torch.tensor(pred, device=dev))
+        logp, _ = token_logprobs(hidden, lm.get_output_embeddings(), torch.tensor(targets, device=dev))
         old = logp.detach()
-        tis = torch.exp(old - torch.tensor(engine)).clamp(max=algo.tis_cap or float("inf"))
-        pl = ppo_clip(logp, old, torch.tensor(adv), torch.zeros(len(adv), dtype=torch.long),
+        tis = torch.exp(old - torch.tensor(engine, device=dev)).clamp(max=algo.tis_cap or float("inf"))
+        pl = ppo_clip(logp, old, torch.tensor(adv, device=dev), torch.zeros(len(adv), dtype=torch.long, device=dev),
                       algo.clip_low, algo.clip_high)
-        (torch.tensor(w) * pl.token_loss * tis).sum().backward()
+        (torch.tensor(w, device=dev) * pl.token_loss * tis).sum().backward()
     torch.nn.utils.clip_grad_norm_(trainer.params, trainer.cfg.grad_clip)
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     return time.perf_counter() - start, time.process_time() - cpu, len(seqs) * width
 
 
