@@ -5,7 +5,7 @@ values. Repeating that cache to n rows (what `generate(num_return_sequences=n)` 
 repeated cache do) makes every decode step read, and a growing cache copy, n times the prompt's
 KV: on a CPU a 32-row step over 600-token prompts measured ~4x an 8-row step, so batching bought
 nothing. Here the prompt KV stays one copy per group and each row's own tokens go into a small
-preallocated buffer; one decode step's attention for a row is
+buffer (grown by doubling, never copied per step); one decode step's attention for a row is
 
     softmax([q.K_prompt | q.K_own]) @ [V_prompt | V_own]
 
@@ -30,7 +30,7 @@ INITIAL_SLOTS = 128
 
 class SharedPrefixCache:
     """Per layer: the groups' prompt K/V once ([G, Hkv, W, D], left-padded to W) and each row's
-    own generated K/V in a buffer of max_new slots ([rows, Hkv, max_new, D])."""
+    own generated K/V in a buffer of slots ([rows, Hkv, slots, D], grown up to max_new)."""
 
     is_compileable = False
 
