@@ -191,12 +191,12 @@ class HFEngine(RolloutEngine):
         if self.shared_prefix:  # each prompt's KV stays one copy; rows keep only their own tokens
             cache = SharedPrefixCache([(layer.keys, layer.values) for layer in cache.layers], mask,
                                       [g.request.n for g in groups], max(g.max_new for g in groups))
-        else:  # repeat each group's cache to its n rows
+        else:  # repeat each group's cache (and its padding mask) to its n rows
             for layer in cache.layers:
                 layer.keys = layer.keys.repeat_interleave(repeats, dim=0)
                 layer.values = layer.values.repeat_interleave(repeats, dim=0)
+            mask = mask.repeat_interleave(repeats, dim=0)
         logits = out.logits[:, -1].float().repeat_interleave(repeats, dim=0)
-        mask = mask.repeat_interleave(repeats, dim=0)
         next_pos = positions[:, -1].repeat_interleave(repeats, dim=0) + 1
         rows = [_Row(g, j) for g in groups for j in range(g.request.n)]
         ma = torch.zeros(len(rows))  # early-stop moving averages
@@ -227,8 +227,9 @@ class HFEngine(RolloutEngine):
                 else:
                     for layer in cache.layers:
                         layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+                    mask = mask[idx]
                 rows = [rows[i] for i in keep]
-                tokens, mask, next_pos, ma = tokens[idx], mask[idx], next_pos[idx], ma[idx.cpu()]
+                tokens, next_pos, ma = tokens[idx], next_pos[idx], ma[idx.cpu()]
             if self.shared_prefix:
                 # The override computes the attention; the model needs only some prepared 4D mask
                 # (which it passes through untouched) to skip building its own.

@@ -25,7 +25,7 @@ ANSWER_TYPES = ("SUSPECT", "WEAPON", "ROOM", "TIME", "MOTIVE")
 
 _FORMAT_HEADER = "following format:"
 _FORMAT_LINE = re.compile(r"^\s*([A-Z])\.\s+([A-Z]+)\s*$")
-_DESCRIBED_LINE = re.compile(r"^\s*([A-Z])\.\s+<(?:name of )?the (suspect|weapon|room|time|motive)>\s*$")
+_DESCRIBED_LINE = re.compile(r"^\s*([A-Z])\.\s+(<[^>]*>)\s*$")
 
 DESCRIBED = {kind: f"<name of the {kind.lower()}>" for kind in ("SUSPECT", "WEAPON", "ROOM")}
 DESCRIBED |= {"TIME": "<the time>", "MOTIVE": "<the motive>"}
@@ -33,6 +33,7 @@ DESCRIBED |= {"TIME": "<the time>", "MOTIVE": "<the motive>"}
 SmolLM2-135M-Instruct (16 difficulty-1 puzzles x 8 samples, temperature 0.7): with the bare
 placeholders it copies them (`A. SUSPECT`) and scores 0.035; with these it names people, weapons
 and rooms (often of the wrong kind) and scores 0.071, which gives GRPO a signal in 13 of 16 groups."""
+_KIND_OF_DESCRIPTION = {text: kind for kind, text in DESCRIBED.items()}
 _QUESTION_LINE = re.compile(r"^([A-Z])\.\s+\S")
 _BULLET = re.compile(r"^\s*(?:[•\-*]|\d+\.)\s+(.+?)\s*$")
 _MOTIVE_COUNT = re.compile(r"\s*\(\d+\s+suspects?\)$")
@@ -119,8 +120,8 @@ def answer_format(prompt: str) -> dict[str, str]:
         m = _FORMAT_LINE.match(line)
         if m:
             out[m.group(1)] = m.group(2)
-        elif m := _DESCRIBED_LINE.match(line):
-            out[m.group(1)] = m.group(2).upper()
+        elif (m := _DESCRIBED_LINE.match(line)) and m.group(2) in _KIND_OF_DESCRIPTION:
+            out[m.group(1)] = _KIND_OF_DESCRIPTION[m.group(2)]
     return out
 
 
