@@ -22,10 +22,11 @@ import torch
 
 from sleuth.config import AlgorithmConfig, LoraConfig, ModelConfig, TrainerConfig
 from sleuth.records import Completion, Group, Problem
+from sleuth.train.logprobs import token_logprobs
 from sleuth.train.losses import aggregation_weights, ppo_clip
 from sleuth.train.optim import measure_matmul_flops
 from sleuth.train.packing import pack_groups
-from sleuth.train.policy import Policy, token_logprobs
+from sleuth.train.policy import Policy
 from sleuth.train.step import Trainer
 
 SHAPES = {"clue": (1000, 200), "aime": (150, 1000)}

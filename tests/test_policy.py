@@ -9,7 +9,7 @@ from sleuth.errors import UserError
 from sleuth.records import Completion, Group, Problem
 from sleuth.testing.tiny_model import write_tiny_model
 from sleuth.train.packing import pack_groups
-from sleuth.train.policy import Policy, token_logprobs
+from sleuth.train.policy import Policy
 
 IDS = torch.tensor([[5, 9, 60, 61, 62, 70, 258]])
 
@@ -113,22 +113,6 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir: Path) -> None
         grads.append([p.grad.clone() for p in policy.trainable_parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
-def test_chunked_logprobs_match_full_log_softmax() -> None:
-    torch.manual_seed(0)
-    head = torch.nn.Linear(16, 50, bias=False)
-    hidden = torch.randn(11, 16, requires_grad=True)
-    targets = torch.randint(0, 50, (11,))
-    logp, entropy = token_logprobs(hidden, head, targets, chunk=3)
-    full = torch.log_softmax(head(hidden), -1)
-    torch.testing.assert_close(logp, full.gather(-1, targets[:, None])[:, 0])
-    torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1))
-    logp.sum().backward()
-    g_chunked = hidden.grad.clone()
-    hidden.grad = None
-    full.gather(-1, targets[:, None]).sum().backward()
-    torch.testing.assert_close(g_chunked, hidden.grad)
 
 
 def test_missing_model_folder_is_a_user_error(tmp_path: Path) -> None:

@@ -7,11 +7,12 @@ never mixes with real tokens.
 Three ways to apply the rule, chosen by the model's attn_implementation:
 
 - "sleuth_packed" (CPU default): our attention function, registered with transformers, that runs
-  scaled_dot_product_attention per prompt (causal) and per prompt's completions (keys = [prompt |
-  own tokens], completions of similar length stacked into one call), so it does only the needed
-  work and never builds a [T, T] mask. CPU SDPA with an arbitrary
-  mask computes every block of the T x T score matrix, which for packed rows costs more than the
-  sharing saves. Without a row layout it behaves exactly like "sdpa" (generation, plain batches).
+  causal scaled_dot_product_attention per prompt and, per prompt's completions, a dense call to
+  the prompt merged with their causal own blocks (completion_attention.py), so it does only the
+  needed work and never builds a [T, T] mask. CPU SDPA with an arbitrary mask computes every block
+  of the T x T score matrix, which for packed rows costs more than the sharing saves. Without a
+  row layout it behaves exactly like "sdpa" (generation, plain batches); with attention dropout
+  or off the CPU it falls back to the dense mask.
 - "sdpa": a dense boolean mask [1, 1, T, T] (True = may attend), which transformers passes
   through unchanged as a prepared 4D mask. Simple and exact, O(T^2) memory and compute.
 - "flex_attention" (CUDA): a BlockMask, which skips fully masked blocks (no CPU backward exists).
@@ -25,13 +26,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from sleuth.train.completion_attention import CompletionAttention
 from sleuth.train.packing import PackedRow
 
 PACKED = "sleuth_packed"
-RECOMPUTE_RATIO = 2.3
-"""CPU SDPA with an explicit mask costs ~1.65x per score what the causal kernel does (which also
-skips the upper triangle): a completion of n tokens after a prompt of p is cheaper as a causal
-pass over all p + n queries when p < 2.3 n (measured on the development machine)."""
 
 
 def backend_for(device: torch.device | str) -> str:
@@ -61,92 +59,49 @@ def row_layout(row: PackedRow) -> RowLayout:
 
 
 def _packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: RowLayout,
-                 scaling: float | None, dropout: float, gqa: bool) -> torch.Tensor:
-    """[1, H, T, D] attention output of a packed row, segment by segment."""
-    kw = {"scale": scaling, "dropout_p": dropout, "enable_gqa": gqa}
-    sizes: list[int] = []
+                 scaling: float | None) -> torch.Tensor:
+    """[1, H, T, D] attention output of a packed row, prompt instance by prompt instance."""
     end = 0
     for ps, plen, comps in layout.segments:
         for s, n in ((ps, plen), *comps):
             if s != end:
                 raise ValueError(f"row layout is not contiguous at {s} (expected {end})")
-            sizes.append(n)
             end = s + n
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    # Head-major contiguous copies (a few MB; the model hands [1, T, H, D] storage viewed as
+    # [1, H, T, D], which the CPU flash kernels read ~7% slower), with key/value heads repeated
+    # to the query heads (the flash backward is ~10% faster without grouped-query indexing).
+    query = query.contiguous()
+    rep = query.shape[1] // key.shape[1]
+    key, value = (t.repeat_interleave(rep, dim=1) if rep > 1 else t.contiguous() for t in (key, value))
+    # One split per tensor, [prompt, its completions] per instance: a split's backward is a single
+    # concatenation, where slicing each part would allocate a full-size zero gradient per slice.
+    sizes = [n for _, plen, comps in layout.segments for n in (plen, sum(c for _, c in comps))]
     pad = layout.length - end
-    # One split per tensor: its backward is a single concatenation, where slicing each part
-    # separately would allocate a full-size zero gradient per slice.
     qs, ks, vs = (t.split([*sizes, pad], dim=2) for t in (query, key, value))
     outs: list[torch.Tensor] = []
-    i = 0
-    for _, plen, comps in layout.segments:
-        p_idx = i
-        outs.append(F.scaled_dot_product_attention(qs[p_idx], ks[p_idx], vs[p_idx], is_causal=True, **kw))
-        first = i + 1
-        i += 1 + len(comps)
-        parts: dict[int, torch.Tensor] = {}
-        masked = []
-        for j, (_, n) in enumerate(comps):
-            c = first + j
-            if plen < RECOMPUTE_RATIO * n:
-                # Short prompt: the causal kernel over [prompt | completion] queries (prompt rows
-                # recomputed and dropped) is cheaper than the masked kernel over the full block.
-                q = torch.cat([qs[p_idx], qs[c]], dim=2)
-                k = torch.cat([ks[p_idx], ks[c]], dim=2)
-                v = torch.cat([vs[p_idx], vs[c]], dim=2)
-                parts[c] = F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)[:, :, plen:]
-            else:
-                masked.append(c)
-        for batch in _length_buckets(masked, sizes):
-            parts.update(_prompt_and_own_attention(qs, ks, vs, p_idx, batch, sizes, kw))
-        outs.extend(parts[c] for c in range(first, i))
+    for i, (_, _, comps) in enumerate(layout.segments):
+        p, c = 2 * i, 2 * i + 1
+        outs.append(F.scaled_dot_product_attention(qs[p], ks[p], vs[p], is_causal=True, scale=scale))
+        if comps:
+            outs.append(CompletionAttention.apply(qs[c], ks[p], vs[p], ks[c], vs[c], [n for _, n in comps], scale))
     if pad:  # padding: its output is never read
         outs.append(torch.zeros_like(qs[-1]))
     return torch.cat(outs, dim=2)
 
 
-PAD_WASTE = 1.25
-"""Completions of one prompt are batched into one masked attention call while the padded block
-(count x longest) stays within this factor of their real tokens."""
-
-
-def _length_buckets(parts: list[int], sizes: list[int]) -> list[list[int]]:
-    """Groups of part indices, longest first, each padded to its longest within PAD_WASTE."""
-    order = sorted(parts, key=lambda c: -sizes[c])
-    buckets: list[list[int]] = []
-    for c in order:
-        if buckets:
-            b = buckets[-1]
-            if (len(b) + 1) * sizes[b[0]] <= PAD_WASTE * (sum(sizes[x] for x in b) + sizes[c]):
-                b.append(c)
-                continue
-        buckets.append([c])
-    return buckets
-
-
-def _prompt_and_own_attention(qs: tuple[torch.Tensor, ...], ks: tuple[torch.Tensor, ...],
-                              vs: tuple[torch.Tensor, ...], p_idx: int, batch: list[int], sizes: list[int],
-                              kw: dict[str, Any]) -> dict[int, torch.Tensor]:
-    """Completions `batch` of one prompt in one masked call: keys [prompt | own tokens], the
-    completions stacked on the batch dimension (one kernel call instead of one per completion;
-    CPU SDPA also runs its threads over batch x heads). Returns each completion's [1, H, n, D]."""
-    plen = sizes[p_idx]
-    m = sizes[batch[0]]  # the longest: buckets are sorted longest first
-    k_count = len(batch)
-
-    def stacked(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return torch.cat([F.pad(parts[c], (0, 0, 0, m - sizes[c])) for c in batch], dim=0)
-
-    q = stacked(qs)
-    k = torch.cat([ks[p_idx].expand(k_count, -1, -1, -1), stacked(ks)], dim=2)
-    v = torch.cat([vs[p_idx].expand(k_count, -1, -1, -1), stacked(vs)], dim=2)
-    lengths = torch.tensor([sizes[c] for c in batch], device=q.device)
-    own = torch.arange(m, device=q.device)
-    # Prompt keys: all visible. Own keys: causal and real (padding rows of the queries see their
-    # real prefix too, so no row is fully masked; their outputs are dropped).
-    own_mask = (own[None, :] <= own[:, None])[None] & (own[None, None, :] < lengths[:, None, None])
-    mask = torch.cat([torch.ones(k_count, m, plen, dtype=torch.bool, device=q.device), own_mask], dim=2)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], **kw)
-    return {c: out[r : r + 1, :, : sizes[c]] for r, c in enumerate(batch)}
+def _dense_from_layout(layout: RowLayout, device: torch.device) -> torch.Tensor:
+    """The dense boolean mask of a row layout (the same rule as dense_mask)."""
+    seg = torch.full((layout.length,), -1, dtype=torch.long)
+    comp = torch.zeros(layout.length, dtype=torch.long)
+    cid = 0
+    for i, (ps, plen, comps) in enumerate(layout.segments):
+        seg[ps : ps + plen] = i
+        for s, n in comps:
+            cid += 1
+            seg[s : s + n] = i
+            comp[s : s + n] = cid
+    return dense_mask(seg, comp).to(device)
 
 
 def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -167,8 +122,14 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                                       scaling=scaling, **kwargs)
     if query.shape[0] != 1:
         raise ValueError("packed attention takes one row per forward pass")
-    gqa = query.shape[1] != key.shape[1]
-    out = _packed_sdpa(query, key, value, packed_layout, scaling, dropout, gqa)
+    if dropout > 0 or query.device.type != "cpu":
+        # The structured path calls the CPU flash kernels and has no dropout; the dense mask
+        # (exact, O(T^2)) covers the rest. (Training on CUDA uses flex_attention, not this.)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, _dense_from_layout(packed_layout, query.device),
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    out = _packed_sdpa(query, key, value, packed_layout, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

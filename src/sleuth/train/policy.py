@@ -7,8 +7,8 @@
 
 The reference policy for the KL term is the same model with the adapter disabled (LoRA, no second
 copy) or a frozen copy of the initial weights (full fine-tuning, built only when needed).
-Logprobs are computed from hidden states of the completion-predicting positions only, in chunks,
-each chunk recomputed in the backward pass, so no [tokens, vocab] float32 tensor is ever kept.
+Logprobs are computed from hidden states of the completion-predicting positions only, in chunks
+(logprobs.py), so no [tokens, vocab] float32 tensor is ever kept.
 """
 
 from __future__ import annotations
@@ -20,51 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from sleuth.config import ModelConfig
 from sleuth.errors import UserError
 from sleuth.train.attention import attention_kwargs, backend_for
+from sleuth.train.logprobs import token_logprobs
 from sleuth.train.packing import PackedRow
 
 ADAPTER = "default"
-LOGIT_CHUNK = 1024
-"""Completion tokens per lm_head chunk: [1024, vocab] float32 is 200 MB for a 49k vocabulary."""
-
-
-def _chunk_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = hidden.float() @ weight.T
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets[:, None])[:, 0] - lse
-    with torch.no_grad():  # entropy is logged, never differentiated
-        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, entropy
-
-
-def token_logprobs(
-    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, chunk: int = LOGIT_CHUNK
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob of each target and the entropy of each predictive distribution, chunked.
-
-    hidden: [N, H] states that predict targets [N]. Logits are float32 (log-softmax in bf16 loses
-    ~0.03 nats); with gradients on, each chunk is checkpointed so only its hidden states are kept.
-    """
-    if getattr(lm_head, "bias", None) is not None:
-        raise UserError("lm_head with a bias is not supported by the chunked logprob computation")
-    weight = lm_head.weight.float()
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    logps, entropies = [], []
-    for s in range(0, hidden.shape[0], chunk):
-        h, t = hidden[s : s + chunk], targets[s : s + chunk]
-        if grad:
-            lp, ent = checkpoint(_chunk_logprobs, h, weight, t, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs(h, weight, t)
-        logps.append(lp)
-        entropies.append(ent)
-    return torch.cat(logps), torch.cat(entropies)
 
 
 class Policy:

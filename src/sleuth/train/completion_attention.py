@@ -1,0 +1,151 @@
+"""Attention of one prompt's completions in a packed row (CPU): dense to the prompt, causal to their own.
+
+A completion token attends to every token of its prompt and to its own earlier tokens. The two key
+sets are attended separately and merged exactly by their log-sum-exps:
+
+    out = out_p * exp(lse_p - lse) + out_o * exp(lse_o - lse),   lse = logaddexp(lse_p, lse_o)
+
+- prompt part: one dense flash-attention call with all of the prompt's completions as queries and
+  no mask. The CPU kernel computes every score of every tile it visits, so a dense block is where
+  it wastes nothing; one large call also keeps both cores busy.
+- own part: each completion's causal block, completions of similar length stacked into one batch.
+  Blocks of up to EAGER_OWN tokens use plain float32 matmuls: the flash kernel's 512-key tiles
+  would compute the whole square (twice the causal triangle) and its fixed cost per call dominates
+  such small blocks (8 x 200 tokens: 30 ms per layer by flash, a few ms this way). Longer blocks use
+  the causal flash kernel.
+
+Backward: given the merged output and log-sum-exp, the flash backward of each part returns exactly
+that part's share of the gradients (its softmax weights are exp(s - lse) with the merged lse, and the
+rowsum(dO * O) term uses the merged output), so the two query gradients add up. This is why the
+aten flash ops are called directly: the forward returns its log-sum-exp, the backward accepts one.
+
+Measured per layer on SmolLM2-135M shapes (prompt 1,000 + 8 x 200, bf16, forward + backward), against
+the previous single masked call over [prompt | own] keys: see docs/benchmarks.md (train_step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+EAGER_OWN = 128
+"""Own blocks up to this many tokens are computed with float32 matmuls, longer ones by flash."""
+
+PAD_WASTE = 1.25
+"""Completions are stacked into one own-block batch while the padded block (count x longest) stays
+within this factor of their real tokens."""
+
+
+def length_buckets(sizes: list[int]) -> list[list[int]]:
+    """Indices into sizes, longest first, grouped so that each group padded to its longest stays
+    within PAD_WASTE of its real tokens."""
+    order = sorted(range(len(sizes)), key=lambda c: -sizes[c])
+    buckets: list[list[int]] = []
+    for c in order:
+        if buckets:
+            b = buckets[-1]
+            if (len(b) + 1) * sizes[b[0]] <= PAD_WASTE * (sum(sizes[x] for x in b) + sizes[c]):
+                b.append(c)
+                continue
+        buckets.append([c])
+    return buckets
+
+
+def _stack(parts: tuple[torch.Tensor, ...], bucket: list[int], sizes: list[int]) -> torch.Tensor:
+    """[len(bucket), ...] from parts [1, H, n, (D)] split on dim 2, each zero-padded to the longest."""
+    m = sizes[bucket[0]]
+    trailing = (0, 0) * (parts[0].dim() - 3)
+    return torch.cat([F.pad(parts[c], (*trailing, 0, m - sizes[c])) for c in bucket])
+
+
+def _unstack(stacked: torch.Tensor, bucket: list[int], sizes: list[int], starts: list[int],
+             out: torch.Tensor) -> None:
+    """Write each real part of a stacked batch back to its place (dim 2) in out [1, H, N, (D)]."""
+    for r, c in enumerate(bucket):
+        out[:, :, starts[c] : starts[c] + sizes[c]] = stacked[r : r + 1, :, : sizes[c]]
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """t in at least float32 (the eager own blocks compute in float32, or float64 if given)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _causal_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Scores [b, H, m, m] (at least float32) of stacked own blocks, -inf above the diagonal."""
+    m = q.shape[2]
+    s = torch.matmul(_wide(q), _wide(k).transpose(-1, -2)).mul_(scale)
+    above = torch.ones(m, m, dtype=torch.bool, device=q.device).triu_(1)
+    return s.masked_fill_(above, float("-inf"))
+
+
+def _own_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [b, H, m, D], lse [b, H, m] float32) of stacked causal own blocks."""
+    if q.shape[2] > EAGER_OWN:
+        return _FLASH(q, k, v, 0.0, True, scale=scale)
+    s = _causal_scores(q, k, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = s.sub_(lse[..., None]).exp_()
+    return torch.matmul(p, _wide(v)).to(q.dtype), lse
+
+
+def _own_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of stacked own blocks, given the merged out and lse of their queries."""
+    if q.shape[2] > EAGER_OWN:
+        return _FLASH_BACKWARD(d_out, q, k, v, out, lse, 0.0, True, scale=scale)
+    p = _causal_scores(q, k, scale).sub_(lse[..., None]).exp_()
+    d_out_w = _wide(d_out)
+    d_p = torch.matmul(d_out_w, _wide(v).transpose(-1, -2))
+    d_s = p * (d_p - (d_out_w * _wide(out)).sum(-1, keepdim=True)) * scale
+    d_q = torch.matmul(d_s, _wide(k))
+    d_k = torch.matmul(d_s.transpose(-1, -2), _wide(q))
+    d_v = torch.matmul(p.transpose(-1, -2), d_out_w)
+    return d_q.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype)
+
+
+class CompletionAttention(torch.autograd.Function):
+    """out [1, H, N, D] for one prompt's N completion tokens (back to back, lengths `sizes`).
+
+    Arguments: q [1, H, N, D]; k_prompt, v_prompt [1, H, P, D]; k_own, v_own [1, H, N, D] (key/value
+    heads already repeated to H); sizes; scale. No dropout."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k_prompt: torch.Tensor, v_prompt: torch.Tensor, k_own: torch.Tensor,
+                v_own: torch.Tensor, sizes: list[int], scale: float) -> torch.Tensor:
+        out_p, lse_p = _FLASH(q, k_prompt, v_prompt, 0.0, False, scale=scale)
+        out_o, lse_o = torch.empty_like(out_p), torch.empty_like(lse_p)
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + n)
+        buckets = length_buckets(sizes)
+        qs, ks, vs = (t.split(sizes, dim=2) for t in (q, k_own, v_own))
+        for b in buckets:
+            o, lse = _own_forward(_stack(qs, b, sizes), _stack(ks, b, sizes), _stack(vs, b, sizes), scale)
+            _unstack(o, b, sizes, starts, out_o)
+            _unstack(lse, b, sizes, starts, lse_o)
+        lse = torch.logaddexp(lse_p, lse_o, out=torch.empty_like(lse_p))  # keeps the kernel's layout
+        out = torch.empty_like(out_p)
+        torch.add(_wide(out_p) * (lse_p - lse).exp_()[..., None],
+                  _wide(out_o) * (lse_o - lse).exp_()[..., None], out=out)
+        ctx.save_for_backward(q, k_prompt, v_prompt, k_own, v_own, out, lse)
+        ctx.sizes, ctx.starts, ctx.buckets, ctx.scale = sizes, starts, buckets, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[Any, ...]:
+        q, k_prompt, v_prompt, k_own, v_own, out, lse = ctx.saved_tensors
+        sizes, starts, scale = ctx.sizes, ctx.starts, ctx.scale
+        d_out = d_out.contiguous()
+        d_q, d_kp, d_vp = _FLASH_BACKWARD(d_out, q, k_prompt, v_prompt, out, lse, 0.0, False, scale=scale)
+        d_q_own, d_ko, d_vo = (torch.empty_like(t) for t in (q, k_own, v_own))
+        parts = [t.split(sizes, dim=2) for t in (d_out, q, k_own, v_own, out, lse)]
+        for b in ctx.buckets:
+            grads = _own_backward(*(_stack(p, b, sizes) for p in parts), scale=scale)
+            for g, dest in zip(grads, (d_q_own, d_ko, d_vo), strict=True):
+                _unstack(g, b, sizes, starts, dest)
+        return d_q + d_q_own, d_kp, d_vp, d_ko, d_vo, None, None
