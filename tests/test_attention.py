@@ -101,13 +101,6 @@ def test_packed_attention_equals_dense_mask_forward_and_backward(layout: str) ->
         torch.testing.assert_close(model(input_ids=ids).logits, plain)
 
 
-def test_length_buckets_bound_the_padding() -> None:
-    from sleuth.train.completion_attention import length_buckets
-
-    assert length_buckets([4, 5, 5, 3, 1]) == [[1, 2, 0, 3], [4]]
-    assert length_buckets([]) == []
-
-
 def test_dropout_falls_back_to_the_dense_mask() -> None:
     from sleuth.train.attention import _dense_from_layout, packed_attention_forward, row_layout
 

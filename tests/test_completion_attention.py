@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from sleuth.train import completion_attention
-from sleuth.train.completion_attention import CompletionAttention
+from sleuth.train.completion_attention import CompletionAttention, length_buckets
 
 
 def dense_reference(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ko: torch.Tensor, vo: torch.Tensor,
@@ -49,3 +49,8 @@ def test_bf16_stays_close_to_float32() -> None:
     got = CompletionAttention.apply(*(t.to(torch.bfloat16) for t in leaves), sizes, 0.25)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=0.02, atol=0.02)
+
+
+def test_length_buckets_bound_the_padding() -> None:
+    assert length_buckets([4, 5, 5, 3, 1]) == [[1, 2, 0, 3], [4]]
+    assert length_buckets([]) == []
