@@ -20,7 +20,7 @@ Three ways to apply the rule, chosen by the model's attn_implementation:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,13 +49,17 @@ class RowLayout:
     segments: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
     """(prompt_start, prompt_len, ((completion_start, completion_len), ...)) per prompt instance;
     each completion directly follows the previous one (or the prompt)."""
+    segment_ids: torch.Tensor = field(compare=False)
+    completion_ids: torch.Tensor = field(compare=False)
+    """The row's per-token ids (packing.py), for the dense-mask fallback."""
 
 
 def row_layout(row: PackedRow) -> RowLayout:
     segments: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for pl in row.placements:
         segments.setdefault((pl.prompt_start, pl.prompt_len), []).append((pl.start, pl.length))
-    return RowLayout(row.length, tuple((ps, n, tuple(c)) for (ps, n), c in segments.items()))
+    return RowLayout(row.length, tuple((ps, n, tuple(c)) for (ps, n), c in segments.items()),
+                     row.segment_ids, row.completion_ids)
 
 
 def _packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: RowLayout,
@@ -90,20 +94,6 @@ def _packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, la
     return torch.cat(outs, dim=2)
 
 
-def _dense_from_layout(layout: RowLayout, device: torch.device) -> torch.Tensor:
-    """The dense boolean mask of a row layout (the same rule as dense_mask)."""
-    seg = torch.full((layout.length,), -1, dtype=torch.long)
-    comp = torch.zeros(layout.length, dtype=torch.long)
-    cid = 0
-    for i, (ps, plen, comps) in enumerate(layout.segments):
-        seg[ps : ps + plen] = i
-        for s, n in comps:
-            cid += 1
-            seg[s : s + n] = i
-            comp[s : s + n] = cid
-    return dense_mask(seg, comp).to(device)
-
-
 def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                              value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                              scaling: float | None = None, packed_layout: RowLayout | None = None,
@@ -127,8 +117,8 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         # (exact, O(T^2)) covers the rest. (Training on CUDA uses flex_attention, not this.)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, _dense_from_layout(packed_layout, query.device),
-                                      dropout=dropout, scaling=scaling, **kwargs)
+        mask = dense_mask(packed_layout.segment_ids.to(query.device), packed_layout.completion_ids.to(query.device))
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     out = _packed_sdpa(query, key, value, packed_layout, scaling)
     return out.transpose(1, 2).contiguous(), None
 
