@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from sleuth.train import completion_attention
 from sleuth.train.completion_attention import CompletionAttention, length_buckets
 
 
@@ -17,16 +16,13 @@ def dense_reference(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ko: tor
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-@pytest.mark.parametrize("own_path", ["eager", "flash"])
-def test_equals_masked_attention_forward_and_backward(own_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if own_path == "flash":
-        monkeypatch.setattr(completion_attention, "EAGER_OWN", 0)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_equals_masked_attention_forward_and_backward(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     sizes = [7, 3, 9, 1, 6, 9]  # unequal: stacked in length buckets, padded, reordered
     n, p, heads, d = sum(sizes), 11, 3, 8
-    leaves = [torch.randn(1, heads, length, d, requires_grad=True)
-              for length in (n, p, p, n, n)]
-    upstream = torch.randn(1, heads, n, d)
+    leaves = [torch.randn(1, heads, length, d, dtype=dtype, requires_grad=True) for length in (n, p, p, n, n)]
+    upstream = torch.randn(1, heads, n, d, dtype=dtype)
     results = []
     for fn in (CompletionAttention.apply, dense_reference):
         out = fn(*leaves, sizes, 0.3)
@@ -35,9 +31,10 @@ def test_equals_masked_attention_forward_and_backward(own_path: str, monkeypatch
         for t in leaves:
             t.grad = None
     (out, grads), (want, want_grads) = results
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(out, want, rtol=tol, atol=tol)
     for g, w in zip(grads, want_grads, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
 
 
 def test_bf16_stays_close_to_float32() -> None:

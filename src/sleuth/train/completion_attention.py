@@ -8,11 +8,9 @@ sets are attended separately and merged exactly by their log-sum-exps:
 - prompt part: one dense flash-attention call with all of the prompt's completions as queries and
   no mask. The CPU kernel computes every score of every tile it visits, so a dense block is where
   it wastes nothing; one large call also keeps both cores busy.
-- own part: each completion's causal block, completions of similar length stacked into one batch.
-  Blocks of up to EAGER_OWN tokens use plain float32 matmuls: the flash kernel's 512-key tiles
-  would compute the whole square (twice the causal triangle) and its fixed cost per call dominates
-  such small blocks (8 x 200 tokens: 30 ms per layer by flash, a few ms this way). Longer blocks use
-  the causal flash kernel.
+- own part: each completion's causal block by the causal flash kernel, completions of similar
+  length stacked into one batch (padding at the end of each, which causality keeps out of the real
+  rows). Plain float32 or bf16 matmuls were no faster for these blocks in place, even at 128 tokens.
 
 Backward: given the merged output and log-sum-exp, the flash backward of each part returns exactly
 that part's share of the gradients (its softmax weights are exp(s - lse) with the merged lse, and the
@@ -32,9 +30,6 @@ import torch.nn.functional as F
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-EAGER_OWN = 128
-"""Own blocks up to this many tokens are computed with float32 matmuls, longer ones by flash."""
 
 PAD_WASTE = 1.25
 """Completions are stacked into one own-block batch while the padded block (count x longest) stays
@@ -71,41 +66,8 @@ def _unstack(stacked: torch.Tensor, bucket: list[int], sizes: list[int], starts:
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
-    """t in at least float32 (the eager own blocks compute in float32, or float64 if given)."""
+    """t in at least float32 (the merge runs in float32, or float64 if given)."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def _causal_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """Scores [b, H, m, m] (at least float32) of stacked own blocks, -inf above the diagonal."""
-    m = q.shape[2]
-    s = torch.matmul(_wide(q), _wide(k).transpose(-1, -2)).mul_(scale)
-    above = torch.ones(m, m, dtype=torch.bool, device=q.device).triu_(1)
-    return s.masked_fill_(above, float("-inf"))
-
-
-def _own_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [b, H, m, D], lse [b, H, m] float32) of stacked causal own blocks."""
-    if q.shape[2] > EAGER_OWN:
-        return _FLASH(q, k, v, 0.0, True, scale=scale)
-    s = _causal_scores(q, k, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    p = s.sub_(lse[..., None]).exp_()
-    return torch.matmul(p, _wide(v)).to(q.dtype), lse
-
-
-def _own_backward(d_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of stacked own blocks, given the merged out and lse of their queries."""
-    if q.shape[2] > EAGER_OWN:
-        return _FLASH_BACKWARD(d_out, q, k, v, out, lse, 0.0, True, scale=scale)
-    p = _causal_scores(q, k, scale).sub_(lse[..., None]).exp_()
-    d_out_w = _wide(d_out)
-    d_p = torch.matmul(d_out_w, _wide(v).transpose(-1, -2))
-    d_s = p * (d_p - (d_out_w * _wide(out)).sum(-1, keepdim=True)) * scale
-    d_q = torch.matmul(d_s, _wide(k))
-    d_k = torch.matmul(d_s.transpose(-1, -2), _wide(q))
-    d_v = torch.matmul(p.transpose(-1, -2), d_out_w)
-    return d_q.to(q.dtype), d_k.to(k.dtype), d_v.to(v.dtype)
 
 
 class CompletionAttention(torch.autograd.Function):
@@ -125,7 +87,7 @@ class CompletionAttention(torch.autograd.Function):
         buckets = length_buckets(sizes)
         qs, ks, vs = (t.split(sizes, dim=2) for t in (q, k_own, v_own))
         for b in buckets:
-            o, lse = _own_forward(_stack(qs, b, sizes), _stack(ks, b, sizes), _stack(vs, b, sizes), scale)
+            o, lse = _FLASH(_stack(qs, b, sizes), _stack(ks, b, sizes), _stack(vs, b, sizes), 0.0, True, scale=scale)
             _unstack(o, b, sizes, starts, out_o)
             _unstack(lse, b, sizes, starts, lse_o)
         lse = torch.logaddexp(lse_p, lse_o, out=torch.empty_like(lse_p))  # keeps the kernel's layout
@@ -145,7 +107,8 @@ class CompletionAttention(torch.autograd.Function):
         d_q_own, d_ko, d_vo = (torch.empty_like(t) for t in (q, k_own, v_own))
         parts = [t.split(sizes, dim=2) for t in (d_out, q, k_own, v_own, out, lse)]
         for b in ctx.buckets:
-            grads = _own_backward(*(_stack(p, b, sizes) for p in parts), scale=scale)
+            d_o, q_b, k_b, v_b, out_b, lse_b = (_stack(p, b, sizes) for p in parts)
+            grads = _FLASH_BACKWARD(d_o, q_b, k_b, v_b, out_b, lse_b, 0.0, True, scale=scale)
             for g, dest in zip(grads, (d_q_own, d_ko, d_vo), strict=True):
                 _unstack(g, b, sizes, starts, dest)
         return d_q + d_q_own, d_kp, d_vp, d_ko, d_vo, None, None
