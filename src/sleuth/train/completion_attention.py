@@ -58,11 +58,10 @@ def _stack(parts: tuple[torch.Tensor, ...], bucket: list[int], sizes: list[int])
     return torch.cat([F.pad(parts[c], (*trailing, 0, m - sizes[c])) for c in bucket])
 
 
-def _unstack(stacked: torch.Tensor, bucket: list[int], sizes: list[int], starts: list[int],
-             out: torch.Tensor) -> None:
-    """Write each real part of a stacked batch back to its place (dim 2) in out [1, H, N, (D)]."""
+def _unstack(stacked: torch.Tensor, bucket: list[int], sizes: list[int], dest: tuple[torch.Tensor, ...]) -> None:
+    """Copy each real part of a stacked batch into its view in dest (a tensor split on dim 2)."""
     for r, c in enumerate(bucket):
-        out[:, :, starts[c] : starts[c] + sizes[c]] = stacked[r : r + 1, :, : sizes[c]]
+        dest[c].copy_(stacked[r : r + 1, :, : sizes[c]])
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -81,34 +80,33 @@ class CompletionAttention(torch.autograd.Function):
                 v_own: torch.Tensor, sizes: list[int], scale: float) -> torch.Tensor:
         out_p, lse_p = _FLASH(q, k_prompt, v_prompt, 0.0, False, scale=scale)
         out_o, lse_o = torch.empty_like(out_p), torch.empty_like(lse_p)
-        starts = [0]
-        for n in sizes:
-            starts.append(starts[-1] + n)
+        out_o_parts, lse_o_parts = out_o.split(sizes, dim=2), lse_o.split(sizes, dim=2)
         buckets = length_buckets(sizes)
         qs, ks, vs = (t.split(sizes, dim=2) for t in (q, k_own, v_own))
         for b in buckets:
             o, lse = _FLASH(_stack(qs, b, sizes), _stack(ks, b, sizes), _stack(vs, b, sizes), 0.0, True, scale=scale)
-            _unstack(o, b, sizes, starts, out_o)
-            _unstack(lse, b, sizes, starts, lse_o)
+            _unstack(o, b, sizes, out_o_parts)
+            _unstack(lse, b, sizes, lse_o_parts)
         lse = torch.logaddexp(lse_p, lse_o, out=torch.empty_like(lse_p))  # keeps the kernel's layout
         out = torch.empty_like(out_p)
         torch.add(_wide(out_p) * (lse_p - lse).exp_()[..., None],
                   _wide(out_o) * (lse_o - lse).exp_()[..., None], out=out)
         ctx.save_for_backward(q, k_prompt, v_prompt, k_own, v_own, out, lse)
-        ctx.sizes, ctx.starts, ctx.buckets, ctx.scale = sizes, starts, buckets, scale
+        ctx.sizes, ctx.buckets, ctx.scale = sizes, buckets, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor) -> tuple[Any, ...]:
         q, k_prompt, v_prompt, k_own, v_own, out, lse = ctx.saved_tensors
-        sizes, starts, scale = ctx.sizes, ctx.starts, ctx.scale
+        sizes, scale = ctx.sizes, ctx.scale
         d_out = d_out.contiguous()
         d_q, d_kp, d_vp = _FLASH_BACKWARD(d_out, q, k_prompt, v_prompt, out, lse, 0.0, False, scale=scale)
         d_q_own, d_ko, d_vo = (torch.empty_like(t) for t in (q, k_own, v_own))
+        dests = [t.split(sizes, dim=2) for t in (d_q_own, d_ko, d_vo)]
         parts = [t.split(sizes, dim=2) for t in (d_out, q, k_own, v_own, out, lse)]
         for b in ctx.buckets:
             d_o, q_b, k_b, v_b, out_b, lse_b = (_stack(p, b, sizes) for p in parts)
             grads = _FLASH_BACKWARD(d_o, q_b, k_b, v_b, out_b, lse_b, 0.0, True, scale=scale)
-            for g, dest in zip(grads, (d_q_own, d_ko, d_vo), strict=True):
-                _unstack(g, b, sizes, starts, dest)
+            for g, dest in zip(grads, dests, strict=True):
+                _unstack(g, b, sizes, dest)
         return d_q + d_q_own, d_kp, d_vp, d_ko, d_vo, None, None
