@@ -72,10 +72,18 @@ def dry_run(cfg: Any) -> list[str]:
     """Check everything that can be checked without loading weights; return what was checked."""
     import importlib.util
 
-    from sleuth.models import check_model_folder
+    from sleuth.models import (
+        check_lora_targets,
+        check_model_folder,
+        converted,
+        model_skeleton,
+        resolve_model_path,
+    )
     from sleuth.tasks.registry import build_task
 
     lines = [f"model: {check_model_folder(cfg.model.path)}"]
+    if cfg.model.lora.enabled and converted(cfg.model.path):  # its modules, from config.json alone
+        check_lora_targets(model_skeleton(resolve_model_path(cfg.model.path)), cfg.model.lora.target_modules)
     task = build_task(cfg.task)
     problems = task.eval_problems()
     lines.append(f"task: {cfg.task.name} ({len(problems)} held-out problems, first training problem "
