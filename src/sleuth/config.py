@@ -192,7 +192,8 @@ class RolloutConfig(Section):
     """Context length (prompt + completion) of the engine; None: the model's own."""
     native_lora: bool = False
     """vLLM: serve the LoRA adapter with vLLM's own LoRA support (CPU and GPU) instead of syncing
-    merged full weights (the hf engine always merges)."""
+    merged full weights. The hf engine always applies the adapter itself; with LoRA on an engine that
+    serves adapters only the adapter moves each iteration (sleuth.sync)."""
 
 
 class AlgorithmConfig(Section):
