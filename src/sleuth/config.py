@@ -110,6 +110,10 @@ class RolloutConfig(Section):
     """vLLM on CPU: KV cache size in GiB."""
     max_model_len: int | None = Field(None, ge=2)
     """Context length (prompt + completion) of the engine; None: the model's own."""
+    hf_decode: Literal["auto", "dynamic", "static", "cuda_graphs"] = "auto"
+    """hf engine decode steps: dynamic (growing cache), static (fixed shapes, device-side step
+    counter), cuda_graphs (static steps captured as CUDA graphs; static off CUDA); auto: cuda_graphs
+    on CUDA, dynamic on the CPU (where it is the faster one)."""
     native_lora: bool = False
     """vLLM: serve the LoRA adapter with vLLM's own LoRA support (CPU and GPU) instead of syncing
     merged full weights (the hf engine always merges)."""
