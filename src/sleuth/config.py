@@ -35,6 +35,10 @@ class LoraConfig(Section):
     """Dropout on the LoRA input."""
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """Module names to adapt, or "all-linear" for every linear layer except the output head."""
+    dtype: Literal["float32", "base"] = "float32"
+    """Adapter weights in float32 (PEFT's default: exact small updates, but on a bf16 base every
+    adapted layer casts its input, thousands of extra kernels per GPU step) or in the base model's
+    dtype (no casts; AdamW then updates bf16 weights, which rounds updates below ~1/256 of a weight)."""
 
 
 class ModelConfig(Section):
