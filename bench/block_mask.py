@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
@@ -38,7 +40,7 @@ def row(prompt: int, completion: int, tokens: int, device: torch.device) -> tupl
     return torch.tensor(seg + [-1] * pad, device=device), torch.tensor(comp + [0] * pad, device=device)
 
 
-def best_of(fn, reps: int, device: torch.device) -> tuple[float, object]:  # noqa: ANN001
+def best_of(fn: Callable[[], object], reps: int, device: torch.device) -> tuple[float, object]:
     out = fn()
     times = []
     for _ in range(reps):
@@ -66,8 +68,8 @@ def main() -> None:
     for name, (p, c) in SHAPES.items():
         seg, comp = row(p, c, a.tokens, dev)
         mm = packed_mask_mod(seg, comp)
-        t_ref, ref = best_of(lambda: create_block_mask(mm, None, None, a.tokens, a.tokens, device=dev), a.reps, dev)
-        t_ours, ours = best_of(lambda: layout_block_mask(seg, comp, mm), a.reps, dev)
+        t_ref, ref = best_of(partial(create_block_mask, mm, None, None, a.tokens, a.tokens, device=dev), a.reps, dev)
+        t_ours, ours = best_of(partial(layout_block_mask, seg, comp, mm), a.reps, dev)
         same = torch.equal(ref.to_dense(), ours.to_dense()) and torch.equal(ref.full_kv_num_blocks,
                                                                              ours.full_kv_num_blocks)
         print(f"| {name} | {t_ref * 1e3:.2f} | {t_ours * 1e3:.2f} | {t_ref / t_ours:.1f}x | {same} |", flush=True)

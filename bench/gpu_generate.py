@@ -17,19 +17,16 @@ Last line: `name=value` pairs.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
+from sleuth.hardware import cpu_description
 
-sys.path.insert(0, str(Path(__file__).parent))
-from sleuth.hardware import cpu_description  # noqa: E402
-from sleuth.records import SamplingParams  # noqa: E402
-from sleuth.rollout.base import GenerationRequest  # noqa: E402
-from sleuth.rollout.hf_engine import HFEngine  # noqa: E402
-from sleuth.testing.tiny_model import build_model, build_tokenizer  # noqa: E402
-from sleuth.train.attention import PACKED, register_packed_attention  # noqa: E402
+from sleuth.records import SamplingParams
+from sleuth.rollout.base import GenerationRequest
+from sleuth.rollout.hf_engine import HFEngine
+from sleuth.testing.tiny_model import build_model, build_tokenizer
+from sleuth.train.attention import PACKED, register_packed_attention
 
 HBM_BYTES_PER_S = 4.3e12
 
