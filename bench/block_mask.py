@@ -19,6 +19,7 @@ from functools import partial
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
+from sleuth.hardware import cpu_description
 from sleuth.train.attention import packed_mask_mod
 from sleuth.train.block_mask import layout_block_mask
 
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
     dev = torch.device(a.device)
+    print(f"# cpu: {cpu_description()}", flush=True)
     print(f"# device {dev}, {a.tokens}-token rows, torch {torch.__version__}")
     print("| shape | create_block_mask ms | layout ms | speedup | same blocks |")
     print("|---|---|---|---|---|")

@@ -20,8 +20,8 @@ import argparse
 import time
 
 import torch
-from sleuth.hardware import cpu_description
 
+from sleuth.hardware import cpu_description, cpu_dtype
 from sleuth.records import SamplingParams
 from sleuth.rollout.base import GenerationRequest
 from sleuth.rollout.hf_engine import HFEngine
@@ -73,7 +73,7 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device(a.device)
     on_cuda = dev.type == "cuda"
-    dtype = torch.bfloat16 if on_cuda else torch.float32
+    dtype = torch.bfloat16 if on_cuda else getattr(torch, cpu_dtype())
     graphs = "cuda_graphs" if on_cuda else "static"
     q = a.quick
     small = dict(hidden=64 if q else 1024, layers=2 if q else 16, heads=4 if q else 16, kv_heads=2 if q else 8,
@@ -81,7 +81,8 @@ def main() -> None:
     big = dict(hidden=64 if q else 1536, layers=2 if q else 24, heads=4 if q else 12, kv_heads=2 if q else 4,
                vocab=1000 if q else 32000)
     prompt_len, new = (60, 16) if q else (1000, 200)
-    name = torch.cuda.get_device_name(dev) if on_cuda else cpu_description()
+    name = torch.cuda.get_device_name(dev) if on_cuda else "cpu"
+    print(f"# cpu: {cpu_description()}", flush=True)
     print(f"# device {dev} ({name}), {dtype}, torch {torch.__version__}", flush=True)
     print("| model | rows | decode | tokens | s | tokens/s | step ms | bound ms |")
     print("|---|---|---|---|---|---|---|---|")
