@@ -197,7 +197,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
 
                 # 3. Score every completion with the task's verifier (errors and timeouts score 0).
                 t = time.perf_counter()
-                groups = _score(run, problems, prompts, results, metrics)
+                groups = _score(run, problems, prompts, results, metrics, it)
                 metrics["time_score_s"] = time.perf_counter() - t
 
                 # 4. Group-relative advantages; all-zero groups carry no gradient and are dropped.
@@ -292,9 +292,11 @@ def _train_step(run: Run, groups: list[Group], progress: Progress) -> dict[str, 
 
 
 def _score(run: Run, problems: list[Problem], prompts: list[list[int]],
-           results: list[GenerationResult], metrics: dict[str, Any]) -> list[Group]:
+           results: list[GenerationResult], metrics: dict[str, Any], iteration: int) -> list[Group]:
     groups = to_groups(problems, prompts, results)
     stats = score_groups(run.verifier, groups)
+    if warning := stats.all_failed_warning(f"iteration {iteration}"):
+        print(f"sleuth: warning: {warning}", file=sys.stderr)
     completions = [c for g in groups for c in g.completions]
     lengths = [len(c.completion_ids) for c in completions]
     n = max(len(completions), 1)
@@ -318,6 +320,8 @@ def _evaluate(run: Run, iteration: int, progress: Progress) -> EvalResult:
                           run.verifier, seed=cfg.loop.seed + EVAL_SEED_OFFSET)
     finally:
         progress.remove(bar)
+    if result.warning:
+        print(f"sleuth: warning: {result.warning}", file=sys.stderr)
     if iteration == 0:
         run.writer.log(0, _val_metrics(result))
     if cfg.logging.samples_per_eval:
