@@ -106,6 +106,10 @@ class LoraConfig(Section):
     """Dropout on the LoRA input."""
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """Module names to adapt, or "all-linear" for every linear layer except the output head."""
+    dtype: Literal["float32", "base"] = "float32"
+    """Adapter weights in float32 (PEFT's default: exact small updates, but on a bf16 base every
+    adapted layer casts its input, thousands of extra kernels per GPU step) or in the base model's
+    dtype (no casts; AdamW then updates bf16 weights, which rounds updates below ~1/256 of a weight)."""
 
 
 class ModelConfig(Section):
@@ -190,6 +194,10 @@ class RolloutConfig(Section):
     """vLLM on CPU: KV cache size in GiB."""
     max_model_len: int | None = Field(None, ge=2)
     """Context length (prompt + completion) of the engine; None: the model's own."""
+    hf_decode: Literal["auto", "dynamic", "static", "cuda_graphs"] = "auto"
+    """hf engine decode steps: dynamic (growing cache), static (fixed shapes, device-side step
+    counter), cuda_graphs (static steps captured as CUDA graphs; static off CUDA); auto: cuda_graphs
+    on CUDA, dynamic on the CPU (where it is the faster one)."""
     native_lora: bool = False
     """vLLM: serve the LoRA adapter with vLLM's own LoRA support (CPU and GPU) instead of syncing
     merged full weights. The hf engine always applies the adapter itself; with LoRA on an engine that

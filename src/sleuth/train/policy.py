@@ -54,7 +54,7 @@ class Policy:
                 r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                 target_modules=lora.target_modules, task_type="CAUSAL_LM",
             )
-            model = get_peft_model(model, peft_cfg)
+            model = get_peft_model(model, peft_cfg, autocast_adapter_dtype=lora.dtype == "float32")
         else:
             if need_reference:
                 self._reference_model = copy.deepcopy(model).eval().requires_grad_(False)
