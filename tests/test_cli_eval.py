@@ -125,3 +125,18 @@ def test_eval_says_when_every_verifier_call_failed(files, tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["verifier_errors"] == 8 and summary["avg"] == 0.0
     assert summary["warning"].startswith("every verifier call")
+
+
+def test_output_folder_names_are_safe_and_readable(tmp_path):
+    from pathlib import Path
+
+    from sleuth.cli.eval import _default_out, task_slug
+
+    assert task_slug("../toy_task.py:problems") == "toy_task-problems"
+    assert task_slug("examples.my_task:problems") == "my_task-problems"
+    assert task_slug("temporal_clue") == "temporal_clue"
+    assert task_slug("my tasks/t 1.py:go") == "t_1-go"
+    assert _default_out("/m/Qwen2.5-14B-Instruct", "../toy_task.py:problems", 4) == \
+        Path("evals/Qwen2.5-14B-Instruct-toy_task-problems-k4")
+    assert not task_slug("/x/.hidden.py:f").startswith(".")
+    assert len(task_slug("t" * 200)) == 60

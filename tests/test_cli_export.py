@@ -7,25 +7,14 @@ from safetensors.torch import load_file
 from sleuth.cli import main
 from sleuth.config import load_config
 from sleuth.loop import train
-from sleuth.testing.tiny_model import write_tiny_model
-
-TASK_SOURCE = '''
-def problems(cfg):
-    return [{"id": f"p{i}", "prompt": f"Write ({i})", "answer": None} for i in range(8)]
-
-
-def verify(answer, text):
-    return sum("a" <= c <= "z" for c in text) / len(text) if text else 0.0
-'''
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def run_dir(tmp_path_factory, tiny_model_dir, lowercase_task):
     root = tmp_path_factory.mktemp("export")
-    tiny = write_tiny_model(root / "tiny")
-    (root / "write_task.py").write_text(TASK_SOURCE)
+    tiny = tiny_model_dir
     cfg = load_config(None, [
-        f"model.path={tiny}", "model.dtype=float32", "model.lora.rank=4", f"task.name={root / 'write_task.py'}:problems",
+        f"model.path={tiny}", "model.dtype=float32", "model.lora.rank=4", f"task.name={lowercase_task}:problems",
         "task.eval_size=2", "task.verifier_isolation=inline", "rollout.engine=hf", "rollout.max_tokens=6",
         "rollout.samples_per_task=4", "loop.iterations=2", "loop.tasks_per_iteration=2", "loop.checkpoint_every=1",
         "trainer.lr=0.05", "eval.k=2", "logging.tensorboard=false",

@@ -10,14 +10,13 @@ from sleuth.cli import main
 from sleuth.cli.train import default_config_path, split_args
 from sleuth.config import load_config
 from sleuth.errors import UserError
-from sleuth.testing.tiny_model import write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny"))
+def tiny(tiny_model_dir):
+    return tiny_model_dir
 
 
 def test_shipped_default_mirrors_embedded():
@@ -99,20 +98,18 @@ def test_console_script_exit_code(tmp_path):
 
 # ---------------------------------------------------------------- reliability: run directories
 
-from test_loop import TASK_SOURCE, overrides  # noqa: E402  (the loop tests' tiny task and settings)
+from test_loop import overrides  # noqa: E402  (the loop tests' settings)
 
 
 @pytest.fixture(scope="module")
-def trained_run(tiny, tmp_path_factory):
+def trained_run(tiny, lowercase_task, tmp_path_factory):
     """A finished 2-iteration run of the tiny model (checkpoints 1 and 2), copied by each test."""
     from io import StringIO
 
     from sleuth.loop import train
 
     root = tmp_path_factory.mktemp("trained")
-    task_file = root / "lowercase_task.py"
-    task_file.write_text(TASK_SOURCE)
-    args = [*overrides(tiny, task_file, iterations=2), "loop.evaluate=false"]
+    args = [*overrides(tiny, lowercase_task, iterations=2), "loop.evaluate=false"]
     train(load_config(default_config_path(), args), root / "run", out=StringIO())
     return root / "run"
 
@@ -205,14 +202,14 @@ def test_resume_refuses_a_planted_pickle_and_runs_nothing(trained_run, tmp_path,
     assert read_tree(run) == before
 
 
-def test_resume_announces_user_code_before_importing_it(trained_run, tmp_path, capsys):
+def test_resume_announces_user_code_before_importing_it(trained_run, lowercase_task, tmp_path, capsys):
     """A run directory's config names code; --resume says which before anything imports it."""
     run = copy_run(trained_run, tmp_path / "run")
     marker = tmp_path / "imported"
     planted = tmp_path / "planted.py"
     planted.write_text(f"open({str(marker)!r}, 'w').write('ran')\ndef problems(cfg):\n    return []\n")
     config = run / "config.yaml"
-    config.write_text(config.read_text().replace(str(trained_run.parent / "lowercase_task.py"), str(planted)))
+    config.write_text(config.read_text().replace(str(lowercase_task), str(planted)))
     main(["train", "--resume", str(run), "loop.iterations=0"])  # invalid: stops after the config loads
     err = capsys.readouterr().err.splitlines()
     assert err[0] == (f"sleuth: note: {config} names code that this run imports and runs: "

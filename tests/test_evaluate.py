@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from sleuth.evaluate import majority_reward, mean_se, pass_at_k, summarize
+from sleuth.evaluate import majority_reward, pass_at_k, summarize
+from sleuth.scoring import mean_se
 
 
 def brute_pass_at_k(n: int, c: int, k: int) -> float:

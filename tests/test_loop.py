@@ -23,30 +23,14 @@ from safetensors.torch import load_file
 from sleuth.cli.train import default_config_path
 from sleuth.config import load_config
 from sleuth.loop import train
-from sleuth.testing.tiny_model import write_tiny_model
-
-TASK_SOURCE = '''
-def problems(cfg):
-    for i in range(64):
-        yield {"id": f"p{i}", "prompt": f"Write lowercase letters ({i})", "answer": None,
-               "split": "eval" if i < 3 else "train"}
-
-
-def verify(answer, text):
-    return sum("a" <= c <= "z" for c in text) / len(text) if text else 0.0
-'''
 
 VOLATILE = ("time", "per_s", "mem", "mfu", "flops")
 """Metric names that measure the machine (timings, throughput), not the run."""
 
 
 @pytest.fixture(scope="module")
-def setup_files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("loop")
-    tiny = write_tiny_model(root / "tiny")
-    task_file = root / "lowercase_task.py"
-    task_file.write_text(TASK_SOURCE)
-    return tiny, task_file
+def setup_files(tiny_model_dir, lowercase_task):
+    return tiny_model_dir, lowercase_task
 
 
 def overrides(tiny: Path, task_file: Path, iterations: int = 4) -> list[str]:

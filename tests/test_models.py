@@ -9,12 +9,11 @@ from sleuth.cli import main
 from sleuth.config import ModelConfig
 from sleuth.errors import UserError
 from sleuth.models import load_causal_lm, load_tokenizer
-from sleuth.testing.tiny_model import write_tiny_model
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny"))
+def tiny(tiny_model_dir):
+    return tiny_model_dir
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from sleuth.config import LoraConfig, ModelConfig
 from sleuth.errors import UserError
 from sleuth.records import Completion, Group, Problem
 from sleuth.testing.tiny_model import write_tiny_model
+from sleuth.train.attention import backend_for
 from sleuth.train.packing import pack_groups
 from sleuth.train.policy import Policy
 
@@ -31,13 +32,15 @@ def perturb(policy: Policy, seed: int = 0) -> None:
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
+    """The model's logits for IDS, on the CPU (the inputs go to the model's own device)."""
+    device = next(model.parameters()).device
     with torch.no_grad():
-        return model(input_ids=IDS).logits
+        return model(input_ids=IDS.to(device)).logits.cpu()
 
 
 def test_lora_policy_reference_is_the_base_model(tiny_dir: Path) -> None:
     policy = Policy.from_config(cfg(tiny_dir, True), need_reference=True)
-    assert policy.is_lora and policy.attn_backend == "sleuth_packed"
+    assert policy.is_lora and policy.attn_backend == backend_for(policy.device)
     base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
     trainable = {n for n, p in policy.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
@@ -109,7 +112,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir: Path) -> None
     for ckpt in (False, True):
         policy = Policy.from_config(cfg(tiny_dir, False, gradient_checkpointing=ckpt), need_reference=False)
         logp, _ = policy.row_logprobs(row)
-        (logp * row.advantages).sum().backward()
+        (logp * row.advantages.to(logp.device)).sum().backward()
         grads.append([p.grad.clone() for p in policy.trainable_parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -119,12 +119,12 @@ def test_two_training_iterations_with_the_tiny_model(tmp_path: Path) -> None:
                  "loop.tasks_per_iteration=2", "loop.eval_every=0", "eval.k=1", "logging.tensorboard=false"])
     assert code == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    trained = [r for r in rows if "reward_mean" in r]
+    trained = [r for r in rows if "rollout/reward_mean" in r]
     assert [r["iteration"] for r in trained] == [1, 2]
     # Every completion went through the dataset's scorer without a verifier error. (The random tiny
     # model never writes <answer> tags, so its rewards are 0 and the trainer skips the step; the
     # gradient path is the loop's tests' business, this one checks the task plugs in end to end.)
-    assert all(r["reward_mean"] == 0.0 and r["verifier_errors"] == 0 for r in trained)
-    assert sum(r["tokens"] for r in trained) > 0
+    assert all(r["rollout/reward_mean"] == 0.0 and r["rollout/verifier_errors"] == 0 for r in trained)
+    assert sum(r["rollout/tokens"] for r in trained) > 0
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["problem_id"].startswith("basic_arithmetic/eval/") for s in samples)

@@ -25,7 +25,6 @@ from sleuth.rollout.base import (
 )
 from sleuth.rollout.factory import make_engine
 from sleuth.rollout.limiter import KVLimiter
-from sleuth.testing.tiny_model import write_tiny_model
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 CONTEXT = 256
@@ -40,8 +39,8 @@ ENGINES = [
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny"))
+def model_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")

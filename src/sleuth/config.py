@@ -184,7 +184,7 @@ class RolloutConfig(Section):
     """Most sequences in flight at once; None: vLLM admits samples while their expected KV blocks
     fit its cache (no preemption), the hf engine decodes 64 rows at a time."""
     early_stop_logprob: float | None = Field(None, lt=0)
-    """Abort a sample when the moving average (decay 0.992, from 0) of its token logprobs falls below
+    """Abort a sample when the moving average (decay rollout.base.EARLY_STOP_DECAY = 0.992, from 0) of its token logprobs falls below
     this (the published run used -3); it ends with finish_reason "abort" and scores 0."""
     timeout_s: float = Field(1800.0, gt=0)
     """Timeout for one generation call or weight sync; a hang raises an error naming the step."""

@@ -25,9 +25,10 @@ from typing import Any
 
 from sleuth.config import Config
 from sleuth.models import encode_chat
-from sleuth.records import Completion, Group, Problem, SamplingParams
-from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
-from sleuth.scoring import VerifierRunner, chance_level, score_groups
+from sleuth.records import Problem, SamplingParams
+from sleuth.rollout.base import GenerationRequest, RolloutEngine, to_groups
+from sleuth.scoring import VerifierRunner, chance_level, mean_se, score_groups
+from sleuth.seeds import derive_seed
 from sleuth.tasks.base import Task
 
 CORRECT = 1.0 - 1e-9
@@ -52,18 +53,6 @@ def majority_reward(rewards: Sequence[float], keys: Sequence[Hashable | None]) -
     top = max(counts.values())
     winner = next(k for k in keys if k is not None and counts[k] == top)
     return rewards[list(keys).index(winner)]
-
-
-def mean_se(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and standard error (sample std / sqrt(n)); the error is 0 for fewer than 2 values."""
-    n = len(values)
-    if n == 0:
-        return 0.0, 0.0
-    mean = sum(values) / n
-    if n < 2:
-        return mean, 0.0
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, math.sqrt(var / n)
 
 
 @dataclass
@@ -141,17 +130,6 @@ def eval_sampling(cfg: Config) -> SamplingParams:
                           max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
 
 
-def to_groups(problems: Sequence[Problem], prompts: Sequence[list[int]],
-              results: Sequence[GenerationResult]) -> list[Group]:
-    """One Group per problem from the engine's results (token ids and logprobs kept as sampled)."""
-    return [
-        Group(problem=p, prompt_ids=ids, completions=[
-            Completion(prompt_ids=ids, completion_ids=list(s.token_ids), logprobs=list(s.logprobs),
-                       finish_reason=s.finish_reason, text=s.text) for s in r.samples])
-        for p, ids, r in zip(problems, prompts, results, strict=True)
-    ]
-
-
 def evaluate(
     engine: RolloutEngine,
     task: Task,
@@ -164,13 +142,13 @@ def evaluate(
 ) -> EvalResult:
     """Sample k completions per problem, score them, and summarize. Deterministic for a seed.
 
-    Each request gets its own sampling seed (seed + problem position), so results do not depend
+    Each request gets its own sampling seed (derived from seed and the problem position), so results do not depend
     on how the engine batches them; a verifier that fails scores 0 (see sleuth.scoring).
     """
     start = time.perf_counter()
     prompts = [encode_chat(tokenizer, p.messages) for p in problems]
     requests = [
-        GenerationRequest(ids, n=k, sampling=replace(sampling, seed=seed + i), request_id=p.id)
+        GenerationRequest(ids, n=k, sampling=replace(sampling, seed=derive_seed("eval", seed, i)), request_id=p.id)
         for i, (p, ids) in enumerate(zip(problems, prompts, strict=True))
     ]
     groups = to_groups(problems, prompts, engine.generate_all(requests))

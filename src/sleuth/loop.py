@@ -26,21 +26,23 @@ import torch
 from sleuth import fsio
 from sleuth.checkpoint import CheckpointManager
 from sleuth.config import Config, dump_config
-from sleuth.evaluate import EvalResult, eval_sampling, evaluate, mean_se, to_groups
+from sleuth.evaluate import EvalResult, eval_sampling, evaluate
 from sleuth.metrics import MetricsWriter, prefixed, timed
 from sleuth.models import encode_chat, resolve_model_path
 from sleuth.progress import Progress
 from sleuth.records import Group, Problem, SamplingParams
-from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
-from sleuth.scoring import VerifierRunner, score_groups
+from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngine, to_groups
+from sleuth.scoring import VerifierRunner, mean_se, score_groups
+from sleuth.seeds import derive_seed
 from sleuth.sync import WeightSync
 from sleuth.tasks.base import Task
 from sleuth.train.advantages import compute_advantages
 from sleuth.train.policy import Policy
 from sleuth.train.step import Trainer
 
-EVAL_SEED_OFFSET = 7_919_000
-"""Evaluation sampling seeds are fixed across the run, so before/after compare the same draws."""
+EVAL_SEED_TAG = "run-eval"
+"""Evaluation sampling seeds derive from (this, loop.seed) only, fixed across the run, so before and
+after compare the same draws."""
 
 
 @dataclass
@@ -76,7 +78,7 @@ class RunResult:
 
 def seed_everything(seed: int, iteration: int, deterministic: bool) -> None:
     """Seed python, numpy and torch from (seed, iteration): each iteration starts from a known state."""
-    mixed = (seed * 1_000_003 + iteration) % (2**31)
+    mixed = derive_seed("iteration", seed, iteration)
     random.seed(mixed)
     np.random.seed(mixed)
     torch.manual_seed(mixed)
@@ -85,7 +87,8 @@ def seed_everything(seed: int, iteration: int, deterministic: bool) -> None:
 
 
 def request_seed(seed: int, iteration: int, index: int) -> int:
-    return ((seed * 1_000_003 + iteration) * 4096 + index) % (2**31)
+    """The sampling seed of rollout request `index` of iteration `iteration`."""
+    return derive_seed("request", seed, iteration, index)
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -318,7 +321,7 @@ def _evaluate(run: Run, iteration: int, progress: Progress) -> EvalResult:
     try:
         result = evaluate(run.engine, run.task, run.policy.tokenizer, run.eval_problems, cfg.eval.k,
                           eval_sampling(cfg),
-                          run.verifier, seed=cfg.loop.seed + EVAL_SEED_OFFSET)
+                          run.verifier, seed=derive_seed(EVAL_SEED_TAG, cfg.loop.seed))
     finally:
         progress.remove(bar)
     if result.warning:

@@ -44,6 +44,18 @@ STARTUP_TIMEOUT_S = 120.0
 """How long a worker may take to start (spawn, imports, unpickling the task)."""
 
 
+def mean_se(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error (sample std / sqrt(n)); the error is 0 for fewer than 2 values."""
+    n = len(values)
+    if n == 0:
+        return 0.0, 0.0
+    mean = sum(values) / n
+    if n < 2:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
 @dataclass
 class VerifierOutcome:
     reward: float

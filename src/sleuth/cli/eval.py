@@ -130,12 +130,26 @@ def run(args: argparse.Namespace) -> int:
 def _default_out(model: str, task: str, k: int) -> Path:
     path = Path(model)
     if is_run_dir(path):
-        return path / f"eval-{_slug(task)}-k{k}"
-    return Path("evals") / f"{_slug(path.name or model)}-{_slug(task)}-k{k}"
+        return path / f"eval-{task_slug(task)}-k{k}"
+    return Path("evals") / f"{_slug(path.name or model)}-{task_slug(task)}-k{k}"
+
+
+def task_slug(task: str) -> str:
+    """A safe, readable folder-name part for a task: "temporal_clue", or for a user task
+    "path/to/toy_task.py:problems" / "examples.toy_task:problems" -> "toy_task-problems"."""
+    name = task.strip()
+    if ":" in name:
+        module, _, function = name.rpartition(":")
+        stem = Path(module).stem if module.endswith(".py") else module.rsplit(".", 1)[-1]
+        name = f"{stem}-{function}"
+    return _slug(name)
 
 
 def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "model"
+    """Letters, digits, '_', '-' and single inner dots; no leading dot (hidden) and at most 60."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
+    slug = re.sub(r"\.{2,}", "_", slug).strip("_.-")
+    return slug[:60].rstrip("_.-") or "model"
 
 
 def _print_table(s: dict[str, Any], k: int, out: Path) -> None:

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from sleuth.errors import UserError
-from sleuth.records import LoraAdapter, Sample, SamplingParams
+from sleuth.records import Completion, Group, LoraAdapter, Problem, Sample, SamplingParams
+from sleuth.seeds import derive_seed
 
 T = TypeVar("T")
 
@@ -193,9 +194,14 @@ class RolloutEngine(ABC):
 
 
 def sample_seed(seed: int, index: int) -> int:
-    """A well-mixed seed for sample `index` of a request seeded `seed` (so requests seeded 0 and 1
-    do not share samples, as seed + index would make them)."""
-    return (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) % (2**63 - 1)
+    """The seed of sample `index` of a request seeded `seed` (so requests seeded 0 and 1 do not
+    share samples, as seed + index would make them)."""
+    return derive_seed("sample", seed, index, bits=63)
+
+
+def engine_request_seed(engine_seed: int, count: int) -> int:
+    """The seed of the count-th request an engine gets without a seed of its own."""
+    return derive_seed("engine-request", engine_seed, count)
 
 
 def resolve_future(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], result: Any = None,
@@ -244,3 +250,14 @@ def finish_sample(group: InFlightGroup, index: int, tokens: list[int], logprobs:
         done = [s for s in group.samples if s is not None]
         resolve_future(group.loop, group.future,
                        result=GenerationResult(group.request, done, time.perf_counter() - group.start))
+
+
+def to_groups(problems: Sequence[Problem], prompts: Sequence[list[int]],
+              results: Sequence[GenerationResult]) -> list[Group]:
+    """One Group per problem from the engine's results (token ids and logprobs kept as sampled)."""
+    return [
+        Group(problem=p, prompt_ids=ids, completions=[
+            Completion(prompt_ids=ids, completion_ids=list(s.token_ids), logprobs=list(s.logprobs),
+                       finish_reason=s.finish_reason, text=s.text) for s in r.samples])
+        for p, ids, r in zip(problems, prompts, results, strict=True)
+    ]

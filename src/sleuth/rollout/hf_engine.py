@@ -24,20 +24,22 @@ from typing import Any
 import torch
 
 from sleuth.errors import UserError
+from sleuth.models import PACKED, register_packed_attention
 from sleuth.records import FinishReason, LoraAdapter
 from sleuth.rollout.base import (
+    EARLY_STOP_DECAY,
     GenerationRequest,
     GenerationResult,
     InFlightGroup,
     RolloutEngine,
     RolloutTimeoutError,
     check_request,
+    engine_request_seed,
     finish_sample,
     resolve_future,
 )
 from sleuth.rollout.shared_prefix import SharedPrefixCache
 from sleuth.rollout.static_decode import DecodeGraph, StaticSharedCache
-from sleuth.train.attention import PACKED, register_packed_attention
 
 DEFAULT_MAX_ROWS = 64
 """Rows (samples) decoded together when rollout.max_concurrency is not set."""
@@ -110,7 +112,7 @@ class HFEngine(RolloutEngine):
         max_new = check_request(request, self.context_len, self.vocab_size)
         seed = request.sampling.seed
         if seed is None:
-            seed = self.seed * 1_000_003 + next(self._counter)
+            seed = engine_request_seed(self.seed, next(self._counter))
         gen = torch.Generator().manual_seed(seed)
         loop = asyncio.get_running_loop()
         group = _Group(request=request, max_new=max_new, generator=gen, loop=loop, future=loop.create_future(),
@@ -243,7 +245,7 @@ class HFEngine(RolloutEngine):
         step = 0
         while rows:
             tokens, logps = self._sample(rows, logits)
-            ma = 0.992 * ma + 0.008 * logps.cpu()
+            ma = EARLY_STOP_DECAY * ma + (1 - EARLY_STOP_DECAY) * logps.cpu()
             step += 1
             for i, (r, t, lp) in enumerate(zip(rows, tokens.tolist(), logps.tolist())):
                 if r.done:  # finished, waiting to be dropped from the batch

@@ -43,6 +43,7 @@ from sleuth.rollout.base import (
     RolloutEngine,
     RolloutTimeoutError,
     check_request,
+    engine_request_seed,
     finish_sample,
     moving_average_below,
     resolve_future,
@@ -177,7 +178,7 @@ class VLLMEngine(RolloutEngine):
         max_new = check_request(request, self.context_len, self.vocab_size)
         seed = request.sampling.seed
         if seed is None:
-            seed = self.seed * 1_000_003 + next(self._counter) * 1009
+            seed = engine_request_seed(self.seed, next(self._counter))
         loop = asyncio.get_running_loop()
         group = _Group(request=request, gid=f"g{next(self._counter)}", max_new=max_new, seed=seed, loop=loop,
                        future=loop.create_future(), start=time.perf_counter(), samples=[None] * request.n)

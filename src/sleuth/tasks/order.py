@@ -7,16 +7,10 @@ stored only its data position sees the same problems, and different seeds see di
 
 from __future__ import annotations
 
-import hashlib
 import random
 from functools import lru_cache
 
-
-def derive_seed(*parts: object, bits: int = 31) -> int:
-    """A stable integer in [0, 2**bits) from any printable parts (stable across processes and
-    Python versions, unlike hash())."""
-    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "big") % (1 << bits)
+from sleuth.seeds import derive_seed
 
 
 @lru_cache(maxsize=8)

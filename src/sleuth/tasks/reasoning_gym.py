@@ -25,8 +25,8 @@ from typing import Any
 from sleuth.config import TaskConfig
 from sleuth.errors import ConfigError, UserError
 from sleuth.records import Message, Problem
+from sleuth.seeds import derive_seed
 from sleuth.tasks.base import Task
-from sleuth.tasks.order import derive_seed
 
 CHUNK = 1000
 """Problems per generated chunk of the training stream (some datasets refuse indices >= size)."""

@@ -7,7 +7,6 @@ uses `puzzle_seed(S, i)`, so a file is identical whatever the worker count.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import multiprocessing
 import os
@@ -21,6 +20,7 @@ from typing import Any
 
 from sleuth import fsio
 from sleuth.errors import UserError
+from sleuth.seeds import derive_seed
 from sleuth.tasks.temporal_clue.clues import (
     At,
     Atom,
@@ -265,8 +265,7 @@ def _self_referential(clue: Clue, setting: Setting, night: Night) -> bool:
 
 def puzzle_seed(batch_seed: int, index: int) -> int:
     """The seed of puzzle `index` in a batch: a 63-bit hash of both, independent of workers."""
-    digest = hashlib.sha256(f"temporal-clue:{batch_seed}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
+    return derive_seed("temporal-clue", batch_seed, index, bits=64) >> 1
 
 
 def check_difficulty(difficulty: int) -> None:

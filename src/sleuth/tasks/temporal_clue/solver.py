@@ -365,6 +365,27 @@ def select_clues(setting: Setting, truth: Night, answers: Sequence[Atom], pool: 
     """
     base = GameModel(setting)
     base.require_differs([a.encode(base) for a in answers])
+    near = nearby_nights(setting, truth)
+    core = _sufficient_core(setting, truth, base, pool, near, rng)
+    final, witnesses, solves, bad_cores = _irredundant(setting, truth, answers, base, core, near)
+    stats = {"pool": core.pool, "first_core": len(core.keep), "bad_cores": core.bad_cores + bad_cores}
+    return Selection(final, witnesses, solves=core.solves + solves, stats=stats)
+
+
+@dataclass
+class _Core:
+    """What phase 1 hands phase 2: a sufficient set of clues, keep-preferred order and counters."""
+
+    keep: list[Clue]
+    rank: dict[Clue, tuple[int, float]]
+    pool: int
+    solves: int
+    bad_cores: int
+
+
+def _sufficient_core(setting: Setting, truth: Night, base: GameModel, pool: Sequence[Clue],
+                     near: Any, rng: random.Random) -> _Core:
+    """Phase 1 (model with the whole pool): a set of clues that fixes every answer (re-checked core)."""
     model, lits = _encode(base, pool)
     unique: dict[int, tuple[Clue, Lit]] = {}
     for clue, lit in zip(pool, lits):
@@ -377,7 +398,6 @@ def select_clues(setting: Setting, truth: Night, answers: Sequence[Atom], pool: 
     # otherwise be made of them).
     assumed = [cl for cl in candidates if cl[0].tier > 0]
     direct = [cl for cl in candidates if cl[0].tier == 0]
-    near = nearby_nights(setting, truth)
     # Nights next to the truth that the indirect clues let through are found in Python first,
     # and each gets one plain fact that rules it out: that saves a solve per such night.
     for night in _unexcluded(setting, truth, near, [c for c, _ in assumed]):
@@ -418,7 +438,16 @@ def select_clues(setting: Setting, truth: Night, answers: Sequence[Atom], pool: 
             raise RuntimeError("an alternative night satisfies every assumed clue")
         chosen_set.update(missing[:2])
     keep = [c for c, _ in candidates if c in chosen_set]
-    stats = {"pool": len(candidates), "first_core": len(keep), "bad_cores": bad_cores}
+    return _Core(keep, rank, len(candidates), solves, bad_cores)
+
+
+def _irredundant(setting: Setting, truth: Night, answers: Sequence[Atom], base: GameModel, core: _Core,
+                 near: Any) -> tuple[list[Clue], list[Night], int, int]:
+    """Phase 2 (a model with the core only): drop every clue not needed; a witness night for each kept.
+
+    Returns (kept clues, their witness nights, solves, bad cores)."""
+    keep, rank = core.keep, core.rank
+    solves = bad_cores = 0
     model, lits = _encode(base, keep)
     lit_of = dict(zip(keep, lits))
     clue_of = {_key(lit): c for c, lit in lit_of.items()}
@@ -471,5 +500,4 @@ def select_clues(setting: Setting, truth: Night, answers: Sequence[Atom], pool: 
                 else:
                     bad_cores += 1
     final = [c for c in keep if c in kept]
-    stats["bad_cores"] = bad_cores
-    return Selection(final, [witnesses[c] for c in final], solves=solves, stats=stats)
+    return final, [witnesses[c] for c in final], solves, bad_cores

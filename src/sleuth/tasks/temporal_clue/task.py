@@ -22,8 +22,9 @@ from typing import Any
 from sleuth.config import TaskConfig
 from sleuth.errors import DataError
 from sleuth.records import Message, Problem
+from sleuth.seeds import derive_seed
 from sleuth.tasks.base import Task
-from sleuth.tasks.order import derive_seed, stream_index
+from sleuth.tasks.order import stream_index
 from sleuth.tasks.temporal_clue.dataset import add_choices, load_puzzles, parse_choices
 from sleuth.tasks.temporal_clue.grade import answer_sheet_key, grade
 

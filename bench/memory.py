@@ -1,0 +1,116 @@
+"""Where the default run's resident memory goes: peak RSS per stage of `sleuth train`.
+
+    .venv/bin/python bench/memory.py [key=value ...]     # overrides on top of the default config
+
+Runs the default config (plus overrides; default loop.iterations=2) in this process and samples the
+resident set (/proc/self/status VmRSS) every 50 ms, attributing each sample to the stage running:
+model load, engine start, evaluation, rollout, training step, weight sync. Prints a table, the
+per-iteration times, and one `name=value` line. Peak RSS of the whole process is also measured by
+`/usr/bin/time -v` in docs/benchmarks.md; this script says which stage reaches it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from sleuth import loop
+from sleuth.cli.train import default_config_path
+from sleuth.config import load_config
+from sleuth.hardware import cpu_description
+from sleuth.metrics import upgrade_row
+from sleuth.rollout import factory
+from sleuth.sync import WeightSync
+
+GB = 1024**3
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class StageMeter:
+    """Peak RSS per stage label, sampled by a thread while the stages run in the main thread."""
+
+    def __init__(self) -> None:
+        self.stage = "start-up"
+        self.peaks: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss = rss_bytes()
+            self.peaks[self.stage] = max(self.peaks.get(self.stage, 0), rss)
+            time.sleep(0.05)
+
+    def wrap(self, owner: Any, name: str, label: str) -> None:
+        original = getattr(owner, name)
+        meter = self
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            previous, meter.stage = meter.stage, label
+            try:
+                return original(*args, **kwargs)
+            finally:
+                meter.peaks[label] = max(meter.peaks.get(label, 0), rss_bytes())
+                meter.stage = previous if previous != label else "between steps"
+
+        setattr(owner, name, wrapped)
+
+    def __enter__(self) -> StageMeter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def main() -> None:
+    overrides = ["loop.iterations=2", *sys.argv[1:]]
+    print(f"# cpu: {cpu_description()}", flush=True)
+    print(f"# overrides: {' '.join(overrides)}; MALLOC_ARENA_MAX={os.environ.get('MALLOC_ARENA_MAX', '-')}",
+          flush=True)
+    cfg = load_config(default_config_path(), overrides)
+    meter = StageMeter()
+    meter.wrap(loop.Policy, "from_config", "policy load")
+    meter.wrap(factory, "make_engine", "engine start")
+    meter.wrap(loop, "_evaluate", "evaluation")
+    meter.wrap(loop, "_generate", "rollout")
+    meter.wrap(loop, "_train_step", "training step")
+    meter.wrap(WeightSync, "push", "weight sync")
+    with meter, tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        loop.train(cfg, Path(tmp) / "run", out=sys.stderr)
+        total = time.perf_counter() - start
+        import json
+
+        rows = [upgrade_row(json.loads(line)) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    print("| stage | peak RSS GB |")
+    print("|---|---|")
+    for stage, peak in meter.peaks.items():
+        print(f"| {stage} | {peak / GB:.2f} |")
+    its = [r for r in rows if r["iteration"] > 0]
+    for r in its:
+        print(f"# iteration {r['iteration']}: {r.get('time/iteration_s', 0):.1f} s (rollout "
+              f"{r.get('time/rollout_s', 0):.1f}, train {r.get('time/train_s', 0):.1f}, "
+              f"sync {r.get('time/sync_s', 0):.2f})")
+    peak = max(meter.peaks.values())
+    mean_it = sum(r.get("time/iteration_s", 0.0) for r in its) / max(len(its), 1)
+    print(f"peak_rss_gb={peak / GB:.2f} iteration_s={mean_it:.1f} total_s={total:.0f}")
+
+
+if __name__ == "__main__":
+    main()
