@@ -102,8 +102,7 @@ def test_packed_attention_equals_dense_mask_forward_and_backward(layout: str) ->
 
 
 def test_dropout_falls_back_to_the_dense_mask() -> None:
-    from sleuth.models import packed_attention_forward
-    from sleuth.train.attention import row_layout
+    from sleuth.train.attention import packed_attention_forward, row_layout
 
     prompt = [5, 6, 7]
     group = Group(Problem("p", [], None), prompt,

@@ -187,41 +187,6 @@ def load_tokenizer(path_or_alias: str) -> Any:
     return tokenizer
 
 
-PACKED = "sleuth_packed"
-"""Our attention implementation name: plain sdpa, unless a forward call passes an object that
-computes the attention itself (`packed_layout=`: a training row's RowLayout, train/attention.py;
-`attention_override=`: the rollout engine's shared-prompt cache, rollout/shared_prefix.py)."""
-
-_registered = False
-
-
-def packed_attention_forward(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
-                             dropout: float = 0.0, scaling: float | None = None, packed_layout: Any = None,
-                             attention_override: Any = None, **kwargs: Any) -> tuple[Any, None]:
-    """transformers attention interface: the passed object's attend(), or sdpa without one."""
-    if attention_override is not None:
-        return attention_override.attend(module, query, key, value, scaling)
-    if packed_layout is not None:
-        return packed_layout.attend(module, query, key, value, scaling, dropout, **kwargs)
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                  scaling=scaling, **kwargs)
-
-
-def register_packed_attention() -> None:
-    """Make attn_implementation="sleuth_packed" known to transformers (idempotent)."""
-    global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(PACKED, packed_attention_forward)
-    AttentionMaskInterface.register(PACKED, sdpa_mask)
-    _registered = True
-
-
 def load_causal_lm(path_or_alias: str, dtype: str = "float32", attn_implementation: str = "sdpa") -> Any:
     import torch
     from transformers import AutoModelForCausalLM

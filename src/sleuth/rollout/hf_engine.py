@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from sleuth.errors import UserError
-from sleuth.models import PACKED, register_packed_attention
 from sleuth.records import FinishReason, LoraAdapter
 from sleuth.rollout.base import (
     EARLY_STOP_DECAY,
@@ -40,6 +39,7 @@ from sleuth.rollout.base import (
 )
 from sleuth.rollout.shared_prefix import SharedPrefixCache
 from sleuth.rollout.static_decode import DecodeGraph, StaticSharedCache
+from sleuth.train.attention import PACKED, register_packed_attention
 
 DEFAULT_MAX_ROWS = 64
 """Rows (samples) decoded together when rollout.max_concurrency is not set."""

@@ -26,14 +26,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# The attention implementation is registered with transformers in sleuth.models (the rollout
-# engine uses it too); a training row passes its RowLayout as the `packed_layout` forward keyword.
-from sleuth.models import PACKED, register_packed_attention
 from sleuth.train.completion_attention import CompletionAttention
 from sleuth.train.packing import PackedRow
 
-__all__ = ["PACKED", "RowLayout", "attention_kwargs", "backend_for", "dense_mask", "register_packed_attention",
-           "row_layout"]
+PACKED = "sleuth_packed"
 
 
 def backend_for(device: torch.device | str) -> str:
@@ -56,11 +52,6 @@ class RowLayout:
     segment_ids: torch.Tensor = field(compare=False)
     completion_ids: torch.Tensor = field(compare=False)
     """The row's per-token ids (packing.py), for the dense-mask fallback."""
-
-    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float | None, dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        """The `sleuth_packed` attention of this row (sleuth.models dispatches to it)."""
-        return _attend_packed(self, module, query, key, value, scaling, dropout, **kwargs)
 
 
 def row_layout(row: PackedRow) -> RowLayout:
@@ -103,10 +94,22 @@ def _packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, la
     return torch.cat(outs, dim=2)
 
 
-def _attend_packed(layout: RowLayout, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                   value: torch.Tensor, scaling: float | None, dropout: float = 0.0,
-                   **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Structured attention of one packed row (what `sleuth_packed` runs for a training row)."""
+def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                             scaling: float | None = None, packed_layout: RowLayout | None = None,
+                             attention_override: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: structured packed attention, or plain sdpa without a layout.
+
+    `attention_override` (a forward keyword, like packed_layout): an object whose
+    attend(module, query, key, value, scaling) computes the attention instead; the rollout engine's
+    shared-prompt decoding uses it (rollout/shared_prefix.py)."""
+    if attention_override is not None:
+        return attention_override.attend(module, query, key, value, scaling)
+    if packed_layout is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
     if query.shape[0] != 1:
         raise ValueError("packed attention takes one row per forward pass")
     if dropout > 0 or query.device.type != "cpu":
@@ -114,10 +117,26 @@ def _attend_packed(layout: RowLayout, module: torch.nn.Module, query: torch.Tens
         # (exact, O(T^2)) covers the rest. (Training on CUDA uses flex_attention, not this.)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        mask = dense_mask(layout.segment_ids.to(query.device), layout.completion_ids.to(query.device))
+        mask = dense_mask(packed_layout.segment_ids.to(query.device), packed_layout.completion_ids.to(query.device))
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
-    out = _packed_sdpa(query, key, value, layout, scaling)
+    out = _packed_sdpa(query, key, value, packed_layout, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+_registered = False
+
+
+def register_packed_attention() -> None:
+    """Make attn_implementation="sleuth_packed" known to transformers (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PACKED, packed_attention_forward)
+    AttentionMaskInterface.register(PACKED, sdpa_mask)
+    _registered = True
 
 
 def dense_mask(segment_ids: torch.Tensor, completion_ids: torch.Tensor) -> torch.Tensor:
