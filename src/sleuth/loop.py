@@ -27,7 +27,7 @@ import torch
 
 from sleuth.checkpoint import CheckpointManager
 from sleuth.config import Config, dump_config
-from sleuth.evaluate import EvalResult, eval_sampling, evaluate, mean_se, to_groups
+from sleuth.evaluate import EvalResult, eval_sampling, evaluate, evaluate_episodes, mean_se, to_groups
 from sleuth.metrics import MetricsWriter
 from sleuth.models import encode_chat, resolve_model_path
 from sleuth.progress import Progress
@@ -35,6 +35,7 @@ from sleuth.records import Group, Problem, SamplingParams
 from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
 from sleuth.scoring import VerifierRunner, score_groups
 from sleuth.tasks.base import Task
+from sleuth.tasks.episodes import EpisodeRunner, episode_metrics, find_rollout
 from sleuth.train.advantages import compute_advantages
 from sleuth.train.policy import Policy
 from sleuth.train.step import Trainer
@@ -59,6 +60,8 @@ class Run:
     eval_problems: list[Problem]
     start_iteration: int = 0
     state: dict[str, Any] = field(default_factory=dict)
+    episodes: Any = None
+    """Episode tasks: the EpisodeRunner (gateway + the task's rollout function); None otherwise."""
     """Carried across checkpoints: val_before, the latest val_reward, data position."""
 
 
@@ -140,8 +143,16 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     if start > 0:  # the engine starts from the base weights; give it the trained ones
         engine.sync_weights(policy.sync_state())
     verifier = VerifierRunner.from_config(task, cfg.task)
+    rollout_fn = find_rollout(cfg.task, task)
+    episodes = None if rollout_fn is None else EpisodeRunner(rollout_fn, engine, policy.tokenizer, cfg.task,
+                                                             train_sampling(cfg))
     return Run(cfg, run_dir, task, policy, trainer, engine, writer, checkpoints, verifier, eval_problems,
-               start, state)
+               start, state, episodes)
+
+
+def train_sampling(cfg: Config) -> SamplingParams:
+    return SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                          max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.stdout,
@@ -150,8 +161,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
     run = setup(cfg, run_dir, resume)
     progress = progress or Progress()
     L = cfg.loop
-    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                              max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
+    sampling = train_sampling(cfg)
     done = run.start_iteration
     interrupted = False
     try:
@@ -170,22 +180,28 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
                 first = (it - 1) * L.tasks_per_iteration
                 problems = [run.task.train_problem(i) for i in range(first, first + L.tasks_per_iteration)]
 
-                # 2. Generate samples_per_task completions per problem.
+                # 2. Generate samples_per_task completions per problem (episode tasks: run
+                #    samples_per_task episodes of the user's agent code through the gateway).
                 t = time.perf_counter()
-                prompts = [encode_chat(run.policy.tokenizer, p.messages) for p in problems]
-                requests = [
-                    GenerationRequest(ids, n=cfg.rollout.samples_per_task, request_id=f"{it}-{j}",
-                                      sampling=replace(sampling, seed=request_seed(L.seed, it, j)))
-                    for j, ids in enumerate(prompts)
-                ]
-                results = _generate(run.engine, requests, progress)
+                if run.episodes is not None:
+                    groups = _run_episodes(run, problems, request_seed(L.seed, it, 0), metrics, progress)
+                else:
+                    prompts = [encode_chat(run.policy.tokenizer, p.messages) for p in problems]
+                    requests = [
+                        GenerationRequest(ids, n=cfg.rollout.samples_per_task, request_id=f"{it}-{j}",
+                                          sampling=replace(sampling, seed=request_seed(L.seed, it, j)))
+                        for j, ids in enumerate(prompts)
+                    ]
+                    results = _generate(run.engine, requests, progress)
                 metrics["time_rollout_s"] = time.perf_counter() - t
                 if interrupt.requested:
                     break
 
-                # 3. Score every completion with the task's verifier (errors and timeouts score 0).
+                # 3. Score every completion with the task's verifier (errors and timeouts score 0;
+                #    an episode's own return value is its reward).
                 t = time.perf_counter()
-                groups = _score(run, problems, prompts, results, metrics)
+                if run.episodes is None:
+                    groups = _score(run, problems, prompts, results, metrics)
                 metrics["time_score_s"] = time.perf_counter() - t
 
                 # 4. Group-relative advantages; all-zero groups carry no gradient and are dropped.
@@ -235,6 +251,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
     finally:
         run.writer.close()
         run.verifier.close()
+        if run.episodes is not None:
+            run.episodes.close()
         run.engine.close()
     before, after = run.state.get("val_before"), run.state.get("val_last")
     if not interrupted and before and after and done == L.iterations:
@@ -263,6 +281,21 @@ def _generate(engine: RolloutEngine, requests: list[GenerationRequest],
         return asyncio.run(collect())
     finally:
         progress.remove(bar)
+
+
+def _run_episodes(run: Run, problems: list[Problem], seed: int, metrics: dict[str, Any],
+                  progress: Progress) -> list[Group]:
+    """samples_per_task episodes per problem; groups of episodes with at least one call."""
+    bar = progress.bar("episodes", total=len(problems))
+    start = time.perf_counter()
+    try:
+        groups, outcomes = run.episodes.run(problems, run.cfg.rollout.samples_per_task, seed,
+                                            on_group=lambda: progress.advance(bar))
+    finally:
+        progress.remove(bar)
+    metrics.update(episode_metrics(outcomes, groups), verifier_errors=0.0, verifier_timeouts=0.0)
+    metrics["tokens_per_s"] = metrics["tokens"] / max(time.perf_counter() - start, 1e-9)
+    return [g for g in groups if g.completions]
 
 
 def _train_step(run: Run, groups: list[Group], progress: Progress) -> dict[str, float]:
@@ -300,9 +333,12 @@ def _evaluate(run: Run, iteration: int, progress: Progress) -> EvalResult:
     cfg = run.cfg
     bar = progress.bar("evaluation", total=None)
     try:
-        result = evaluate(run.engine, run.task, run.policy.tokenizer, run.eval_problems, cfg.eval.k,
-                          eval_sampling(cfg),
-                          run.verifier, seed=cfg.loop.seed + EVAL_SEED_OFFSET)
+        if run.episodes is not None:
+            result = evaluate_episodes(run.episodes, run.eval_problems, cfg.eval.k, eval_sampling(cfg),
+                                       seed=cfg.loop.seed + EVAL_SEED_OFFSET)
+        else:
+            result = evaluate(run.engine, run.task, run.policy.tokenizer, run.eval_problems, cfg.eval.k,
+                              eval_sampling(cfg), run.verifier, seed=cfg.loop.seed + EVAL_SEED_OFFSET)
     finally:
         progress.remove(bar)
     if iteration == 0:

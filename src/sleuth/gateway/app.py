@@ -20,6 +20,10 @@ import threading
 from dataclasses import replace
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
 from sleuth.errors import UserError
 from sleuth.gateway.episodes import (
     ChatTemplate,
@@ -154,10 +158,6 @@ def _tools_key(request: ChatRequest) -> str:
 
 def build_app(gateway: Gateway) -> Any:
     """The FastAPI application of a Gateway."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
-    from starlette.exceptions import HTTPException
-
     app = FastAPI(title="sleuth gateway", docs_url=None, redoc_url=None, openapi_url=None)
 
     def error(e: GatewayError) -> JSONResponse:
