@@ -203,8 +203,12 @@ def evaluate_episodes(runner: Any, problems: Sequence[Problem], k: int, sampling
     start = time.perf_counter()
 
     async def run_all() -> list[list[Any]]:
-        return [list(await asyncio.gather(*(runner.episode(p, seed + 4096 * j + i, sampling) for i in range(k))))
-                for j, p in enumerate(problems)]
+        from sleuth.tasks.episodes import SharedHTTP
+
+        async with SharedHTTP.open() as http:
+            per = [asyncio.gather(*(runner.episode(p, seed + 4096 * j + i, sampling, http) for i in range(k)))
+                   for j, p in enumerate(problems)]
+            return [list(o) for o in await asyncio.gather(*per)]
 
     outcomes = asyncio.run(run_all())
     rewards, keys, tokens, records = [], [], [], []

@@ -221,7 +221,7 @@ class GatewayServer:
         import uvicorn
 
         self.gateway = gateway
-        config = uvicorn.Config(build_app(gateway), host=host, port=port, log_level="warning", lifespan="off",
+        config = uvicorn.Config(build_app(gateway), host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=1,
                                 access_log=False)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="sleuth-gateway", daemon=True)

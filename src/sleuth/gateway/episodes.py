@@ -126,9 +126,9 @@ class Episode:
         best = None
         for turn in self.turns:
             n = len(turn.keys)
-            if turn.tools_key == tools_key and n < len(keys) and keys[:n] == turn.keys:
-                if best is None or n >= len(best.keys):
-                    best = turn
+            if (turn.tools_key == tools_key and n < len(keys) and keys[:n] == turn.keys
+                    and (best is None or n >= len(best.keys))):
+                best = turn
         return best
 
 

@@ -19,6 +19,7 @@ model may learn from); or a limit or forbidden action: "timeout", "memory", "out
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -86,10 +87,8 @@ def _kill_uid(uid: int) -> None:
             continue
         line = next((ln for ln in status.splitlines() if ln.startswith("Uid:")), "")
         if line.split()[1:2] == [str(uid)]:
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(int(entry.name), signal.SIGKILL)
-            except OSError:
-                pass
 
 
 def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
@@ -127,7 +126,7 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
         layers_file = private / "layers"
         layers = tuple(layers_file.read_text().split()) if layers_file.exists() else ()
         return SandboxResult(reason, stdout.decode(errors="replace"), stderr.decode(errors="replace"), code_,
-                             time.perf_counter() - start, layers + ("rlimits", "audit"))
+                             time.perf_counter() - start, (*layers, "rlimits", "audit"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(private, ignore_errors=True)
@@ -135,10 +134,8 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
 
 def _end(proc: subprocess.Popen[bytes], uid: int) -> None:
     """Kill the run's process group and, where we switched uid, every process left of that uid."""
-    try:
+    with contextlib.suppress(OSError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        pass
     proc.wait()
     if os.geteuid() == 0:
         _kill_uid(uid)

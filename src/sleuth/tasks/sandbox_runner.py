@@ -130,7 +130,8 @@ def main() -> None:
         f.write(" ".join(_isolate(work, cfg["uid"])))
     os.chdir(work)
     _limit(cfg)
-    code = open(os.path.join(work, "main.py")).read()
+    with open(os.path.join(work, "main.py")) as f:
+        code = f.read()
     sys.addaudithook(_audit(work))
     sys.argv = ["main.py"]
     namespace = {"__name__": "__main__", "__file__": "main.py"}
