@@ -115,3 +115,28 @@ def test_math_with_a_python_tool_solves(tmp_path):
 def test_sandbox_violations_score_zero_with_the_reason(tmp_path, reason, code):
     _, outcome = math_python_episode(tmp_path, [tool_call(code), "\\boxed{42}"])
     assert outcome.reward == 0.0 and outcome.metrics[f"sandbox_{reason}"] == 1.0
+
+
+@pytest.mark.slow
+def test_train_two_iterations_on_the_guess_number_example(tmp_path):
+    from pathlib import Path
+
+    from sleuth.cli import main
+    from sleuth.testing.tiny_model import write_tiny_model
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "guess_number.py"
+    model = write_tiny_model(tmp_path / "tiny")
+    run = tmp_path / "run"
+    code = main(["train", f"model.path={model}", f"task.name={example}:problems", "rollout.engine=hf",
+                 "model.dtype=float32", "model.lora.enabled=false", "rollout.samples_per_task=2",
+                 "rollout.max_tokens=4", "loop.iterations=2", "loop.tasks_per_iteration=2", "task.eval_size=1",
+                 "eval.k=1", "loop.checkpoint_every=0", "--out", str(run)])
+    assert code == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    for r in rows[1:]:
+        assert r["rollout/episodes"] == 4 and r["rollout/episode_errors"] == 0
+        assert r["rollout/episode_calls_mean"] == 4  # MAX_GUESSES turns: a random model never wins
+        assert 0 <= r["reward_mean"] <= 0.5 and r["sequences"] == 2 * (2 - r["groups_dropped"])
+    assert "val_reward" in rows[0] and "val_reward" in rows[2]
+    assert (run / "model" / "config.json").is_file()

@@ -114,6 +114,8 @@ class Gateway:
     def _sampling(self, request: ChatRequest, episode: Episode | None) -> SamplingParams:
         base = episode.sampling if episode is not None else self.defaults
         max_tokens = request.max_tokens or base.max_tokens
+        if episode is not None:  # training: rollout.max_tokens caps every call
+            max_tokens = min(max_tokens, base.max_tokens)
         seed = request.seed
         if episode is not None:
             with episode.lock:

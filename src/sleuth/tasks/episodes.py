@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import inspect
 import math
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -146,6 +147,10 @@ class EpisodeRunner:
                 return list(await asyncio.gather(*(one_problem(j, p, http) for j, p in enumerate(problems))))
 
         outcomes = asyncio.run(everything())
+        failed = [o for per in outcomes for o in per if o.status != "ok"]
+        if failed:  # scored 0 and counted; the first reason shown so a broken agent is noticed
+            print(f"sleuth: {len(failed)} of {sum(map(len, outcomes))} episodes failed (scored 0); first: "
+                  f"{failed[0].status}: {failed[0].error}", file=sys.stderr)
         return [episode_group(p, o) for p, o in zip(problems, outcomes, strict=True)], outcomes
 
     def close(self) -> None:
