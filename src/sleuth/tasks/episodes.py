@@ -30,6 +30,7 @@ import httpx
 
 from sleuth.config import TaskConfig
 from sleuth.errors import ConfigError
+from sleuth.evaluate import mean_se
 from sleuth.gateway.app import Gateway, GatewayServer
 from sleuth.gateway.trajectories import EpisodeOutcome, episode_group
 from sleuth.records import Group, Problem, SamplingParams
@@ -164,7 +165,8 @@ def episode_metrics(outcomes: Sequence[Sequence[EpisodeOutcome]], groups: Sequen
     seqs = [c for g in groups for c in g.completions]
     sampled = [sum(c.loss_mask or [1] * len(c.completion_ids)) for c in seqs]
     out = {
-        "reward_mean": sum(o.reward for o in flat) / n,
+        "reward_mean": mean_se([o.reward for o in flat])[0],
+        "reward_se": mean_se([o.reward for o in flat])[1],
         "reward_max": max((o.reward for o in flat), default=0.0),
         "rollout/episodes": float(len(flat)),
         "rollout/episode_errors": float(sum(o.status == "error" for o in flat)),
