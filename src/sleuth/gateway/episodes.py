@@ -151,6 +151,9 @@ class ChatTemplate:
                                                   tokenize=False, **kwargs)
 
     def encode(self, text: str) -> list[int]:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)  # a fast tokenizer: skip the wrapper
+        if backend is not None:
+            return list(backend.encode(text, add_special_tokens=False).ids)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def closing_text(self, sampled_ids: list[int]) -> str:
@@ -172,11 +175,11 @@ def extension_ids(template: ChatTemplate, parent: Turn, messages: list[dict[str,
     full = template.render(messages, tools, generation_prompt=True)
     if not full.startswith(before):
         return None
-    sampled = parent.ids[len(parent.ids) - _last_sampled_run(parent.mask):]
+    sampled = parent.ids[len(parent.ids) - last_sampled_run(parent.mask):]
     return template.encode(template.closing_text(sampled) + full[len(before):])
 
 
-def _last_sampled_run(mask: list[int]) -> int:
+def last_sampled_run(mask: list[int]) -> int:
     n = 0
     for bit in reversed(mask):
         if not bit:
