@@ -75,7 +75,7 @@ def test_failing_episodes_score_zero_and_are_counted(user_task):
     assert any("environment broke" in o.error for o in outcomes[0])
     m = episode_metrics(outcomes, groups)
     assert (m["rollout/episode_errors"], m["rollout/episode_timeouts"], m["rollout/episodes"]) == (2, 1, 4)
-    assert m["reward_mean"] == 0.25 and m["episode/turns"] == 1.0
+    assert m["rollout/reward_mean"] == 0.25 and m["episode/turns"] == 1.0
     assert groups[0].episode_rewards == [o.reward for o in outcomes[0]] and len(groups[0].completions) == 4
 
 
@@ -137,6 +137,7 @@ def test_train_two_iterations_on_the_guess_number_example(tmp_path):
     for r in rows[1:]:
         assert r["rollout/episodes"] == 4 and r["rollout/episode_errors"] == 0
         assert r["rollout/episode_calls_mean"] == 4  # MAX_GUESSES turns: a random model never wins
-        assert 0 <= r["reward_mean"] <= 0.5 and r["sequences"] == 2 * (2 - r["groups_dropped"])
-    assert "val_reward" in rows[0] and "val_reward" in rows[2]
+        assert 0 <= r["rollout/reward_mean"] <= 0.5
+        assert r["train/sequences"] == 2 * (2 - r["train/groups_dropped"])
+    assert "val/reward" in rows[0] and "val/reward" in rows[2]
     assert (run / "model" / "config.json").is_file()

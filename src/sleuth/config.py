@@ -210,7 +210,8 @@ class RolloutConfig(Section):
     on CUDA, dynamic on the CPU (where it is the faster one)."""
     native_lora: bool = False
     """vLLM: serve the LoRA adapter with vLLM's own LoRA support (CPU and GPU) instead of syncing
-    merged full weights (the hf engine always merges)."""
+    merged full weights. The hf engine always applies the adapter itself; with LoRA on an engine that
+    serves adapters only the adapter moves each iteration (sleuth.sync)."""
 
 
 class AlgorithmConfig(Section):

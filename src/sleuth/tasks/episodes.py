@@ -33,6 +33,7 @@ from sleuth.errors import ConfigError
 from sleuth.evaluate import mean_se
 from sleuth.gateway.app import Gateway, GatewayServer
 from sleuth.gateway.trajectories import EpisodeOutcome, episode_group
+from sleuth.metrics import prefixed
 from sleuth.records import Group, Problem, SamplingParams
 from sleuth.rollout.base import RolloutEngine
 from sleuth.tasks.base import Task
@@ -159,26 +160,27 @@ class EpisodeRunner:
 
 
 def episode_metrics(outcomes: Sequence[Sequence[EpisodeOutcome]], groups: Sequence[Group]) -> dict[str, float]:
-    """Rewards over episodes (not sequences), failures counted, the user's metrics averaged."""
+    """rollout/* over episodes (not sequences), failures counted; the user's metrics averaged as
+    episode/*."""
     flat = [o for per in outcomes for o in per]
     n = max(len(flat), 1)
     seqs = [c for g in groups for c in g.completions]
     sampled = [sum(c.loss_mask or [1] * len(c.completion_ids)) for c in seqs]
-    out = {
-        "reward_mean": mean_se([o.reward for o in flat])[0],
-        "reward_se": mean_se([o.reward for o in flat])[1],
-        "reward_max": max((o.reward for o in flat), default=0.0),
-        "rollout/episodes": float(len(flat)),
-        "rollout/episode_errors": float(sum(o.status == "error" for o in flat)),
-        "rollout/episode_timeouts": float(sum(o.status == "timeout" for o in flat)),
-        "rollout/episode_calls_mean": sum(o.episode.calls for o in flat) / n,
-        "rollout/sequences_per_episode": len(seqs) / n,
-        "rollout/template_mismatches": float(sum(o.episode.counts["template_mismatch"] for o in flat)),
-        "rollout/bad_tool_calls": float(sum(o.episode.counts["bad_tool_calls"] for o in flat)),
+    rewards = [o.reward for o in flat]
+    out = prefixed("rollout", {
+        "reward_mean": mean_se(rewards)[0], "reward_se": mean_se(rewards)[1],
+        "reward_max": max(rewards, default=0.0),
+        "episodes": float(len(flat)),
+        "episode_errors": float(sum(o.status == "error" for o in flat)),
+        "episode_timeouts": float(sum(o.status == "timeout" for o in flat)),
+        "episode_calls_mean": sum(o.episode.calls for o in flat) / n,
+        "sequences_per_episode": len(seqs) / n,
+        "template_mismatches": float(sum(o.episode.counts["template_mismatch"] for o in flat)),
+        "bad_tool_calls": float(sum(o.episode.counts["bad_tool_calls"] for o in flat)),
         "completion_tokens_mean": sum(sampled) / max(len(seqs), 1),
         "tokens": float(sum(sampled)),
         "truncated_frac": sum(c.finish_reason == "length" for c in seqs) / max(len(seqs), 1),
-    }
+    })
     keys = sorted({k for o in flat for k in o.metrics})
     for k in keys:
         values = [o.metrics[k] for o in flat if k in o.metrics]
