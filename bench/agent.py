@@ -116,17 +116,17 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--episodes", type=int, default=64)
     args = parser.parse_args()
-    print(f"cpu: {cpu_description()}")
-    print("(1) prefix-tree packing vs one sequence per call: not measured here (helper tree's part)")
+    print(f"cpu: {cpu_description()}", flush=True)
+    print("(1) prefix-tree packing vs one sequence per call: not measured here (helper tree's part)", flush=True)
 
     direct, through = overhead(args.calls)
     diffs = [g - d for g, d in zip(through, direct, strict=True)]
     med, p99 = statistics.median(diffs) * 1e3, percentile(diffs, 0.99) * 1e3
     print(f"(2) gateway overhead per call, {len(diffs)} calls (turns 1..{TURNS} of episodes with ~300-token "
           "environment turns), scripted engine:")
-    print(f"    direct engine call  median {statistics.median(direct) * 1e3:7.2f} ms")
-    print(f"    through the gateway median {statistics.median(through) * 1e3:7.2f} ms")
-    print(f"    overhead            median {med:7.2f} ms   p99 {p99:7.2f} ms   (target: median < 5 ms)")
+    print(f"    direct engine call  median {statistics.median(direct) * 1e3:7.2f} ms", flush=True)
+    print(f"    through the gateway median {statistics.median(through) * 1e3:7.2f} ms", flush=True)
+    print(f"    overhead            median {med:7.2f} ms   p99 {p99:7.2f} ms   (target: median < 5 ms)", flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
         tp = throughput(args.episodes, write_tiny_model(Path(tmp) / "tiny"))
