@@ -111,15 +111,8 @@ def throughput(episodes: int, model_dir: Path) -> dict[str, float]:
             "gateway_s": gateway_s, "direct_s": direct_s}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--episodes", type=int, default=64)
-    args = parser.parse_args()
-    print(f"cpu: {cpu_description()}", flush=True)
-    print("(1) prefix-tree packing vs one sequence per call: not measured here (helper tree's part)", flush=True)
-
-    direct, through = overhead(args.calls)
+def report_overhead(calls: int) -> tuple[float, float]:
+    direct, through = overhead(calls)
     diffs = [g - d for g, d in zip(through, direct, strict=True)]
     med, p99 = statistics.median(diffs) * 1e3, percentile(diffs, 0.99) * 1e3
     print(f"(2) gateway overhead per call, {len(diffs)} calls (turns 1..{TURNS} of episodes with ~300-token "
@@ -127,6 +120,25 @@ def main() -> None:
     print(f"    direct engine call  median {statistics.median(direct) * 1e3:7.2f} ms", flush=True)
     print(f"    through the gateway median {statistics.median(through) * 1e3:7.2f} ms", flush=True)
     print(f"    overhead            median {med:7.2f} ms   p99 {p99:7.2f} ms   (target: median < 5 ms)", flush=True)
+    return med, p99
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--episodes", type=int, default=64)
+    parser.add_argument("--parts", default="2,3", help="which parts to run (2: overhead, 3: throughput)")
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    print(f"cpu: {cpu_description()}", flush=True)
+    print("(1) prefix-tree packing vs one sequence per call: not measured here (helper tree's part)", flush=True)
+
+    med = p99 = float("nan")
+    if "2" in parts:
+        med, p99 = report_overhead(args.calls)
+    if "3" not in parts:
+        print(f"overhead_median_ms={med:.2f} overhead_p99_ms={p99:.2f}")
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         tp = throughput(args.episodes, write_tiny_model(Path(tmp) / "tiny"))
