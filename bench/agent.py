@@ -54,6 +54,8 @@ def overhead(calls: int) -> tuple[list[float], list[float]]:
     engine = ScriptedEngine(tok, [reply], context_len=32768)
     gateway = Gateway(engine, tok, SamplingParams(max_tokens=200))
     direct, through = [], []
+    cpu = {"direct": 0.0, "gateway": 0.0, "raw": 0.0}
+    raw: list[float] = []
     with GatewayServer(gateway) as server:
 
         async def run() -> None:
@@ -64,18 +66,29 @@ def overhead(calls: int) -> tuple[list[float], list[float]]:
                                                 max_retries=0)
                     messages = [{"role": "user", "content": "Investigate the table. " + ENV_TEXT}]
                     for _ in range(TURNS):
-                        t = time.perf_counter()
+                        t, c = time.perf_counter(), time.process_time()
                         r = await client.chat.completions.create(model="policy", messages=messages)
                         through.append(time.perf_counter() - t)
+                        cpu["gateway"] += time.process_time() - c
                         prompt = engine.prompts[-1]
-                        t = time.perf_counter()
+                        # the same request as plain JSON over httpx (no openai client), stateless route
+                        t, c = time.perf_counter(), time.process_time()
+                        await http.post(server.url() + "/chat/completions", json={"messages": messages})
+                        raw.append(time.perf_counter() - t)
+                        cpu["raw"] += time.process_time() - c
+                        t, c = time.perf_counter(), time.process_time()
                         await engine.generate(GenerationRequest(prompt, 1, SamplingParams(max_tokens=200)))
                         direct.append(time.perf_counter() - t)
+                        cpu["direct"] += time.process_time() - c
                         messages += [{"role": "assistant", "content": r.choices[0].message.content},
                                      {"role": "user", "content": ENV_TEXT}]
                     gateway.store.close(ep.id)
 
         asyncio.run(run())
+    n = len(through)
+    print(f"    CPU time of this process (client + server threads) per call: direct {cpu['direct'] / n * 1e3:.2f} ms, "
+          f"through the gateway with the openai client {cpu['gateway'] / n * 1e3:.2f} ms, with plain httpx "
+          f"{cpu['raw'] / n * 1e3:.2f} ms (wall median {statistics.median(raw) * 1e3:.2f} ms)", flush=True)
     return direct[:calls], through[:calls]
 
 
