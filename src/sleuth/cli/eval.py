@@ -66,6 +66,7 @@ def model_folder(model: str, cfg: Any, scratch: Path) -> Path:
 def run(args: argparse.Namespace) -> int:
     from sleuth.cli.train import keep_stdout_for_results
     from sleuth.evaluate import eval_sampling, evaluate
+    from sleuth.hardware import resolve_dtype
     from sleuth.models import load_tokenizer
     from sleuth.rollout.factory import make_engine
     from sleuth.scoring import VerifierRunner
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         folder = model_folder(args.model, cfg, scratch)
         tokenizer = load_tokenizer(str(folder))
         print(f"evaluating {args.model} on {len(problems)} problems of {cfg.task.name}, k={k}", file=sys.stderr)
-        engine = make_engine(cfg.rollout, str(folder), cfg.model.dtype, cfg.loop.seed)
+        engine = make_engine(cfg.rollout, str(folder), resolve_dtype(cfg.model.dtype), cfg.loop.seed)
         try:
             with VerifierRunner.from_config(task, cfg.task) as verifier:
                 result = evaluate(engine, task, tokenizer, problems, k, eval_sampling(cfg), verifier,
