@@ -193,7 +193,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
                     if budget.allows_next(ahead=ahead - it):  # overlap: generate while this one trains
                         queue.prefetch(ahead, curriculum.level)
                 batch, stale = drop_stale(batch, trainer_version=it - 1, max_staleness=L.max_staleness)
-                metrics: dict[str, Any] = batch.metrics | {"rollout/stale_dropped": float(stale)}
+                metrics: dict[str, Any] = batch.metrics | {"rollout/stale_dropped": float(stale),
+                                                           "rollout/positions": list(batch.positions)}
                 if interrupt.requested:
                     break
 
