@@ -17,7 +17,15 @@ import pytest
 from sleuth.cli import main
 from sleuth.config import Config, LoggingConfig, dump_config
 from sleuth.metrics import MetricsWriter
-from sleuth.report import fit_power_law, load_eval_summaries, pareto_frontier, select_samples, write_report
+from sleuth.report import (
+    fit_power_law,
+    load_eval_summaries,
+    load_run,
+    pareto_frontier,
+    reward_against_minutes,
+    select_samples,
+    write_report,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_PLOTS = {"reward", "val_power_law", "completion_len", "entropy_kl", "clip_frac", "loss", "time"}
@@ -224,3 +232,19 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert attrs["data-samples"] == "6"
     # The browser shows the completion's text as written, not as markup.
     assert html.unescape(attrs["data-sample-text"]) == "<answer>A & B</answer> it0"
+
+
+def test_held_out_reward_against_wall_clock_minutes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with MetricsWriter(run, LoggingConfig(tensorboard=False)) as w:
+        w.log(0, {"val_reward": 0.10, "val_reward_se": 0.02, "val_chance": 0.4, "time/elapsed_min": 1.5})
+        w.log(1, {"reward_mean": 0.2, "time/elapsed_min": 3.0})  # no evaluation: not a point
+        w.log(2, {"reward_mean": 0.3, "val_reward": 0.25, "val_reward_se": 0.03, "time/elapsed_min": 4.5})
+        w.log(3, {"reward_mean": 0.3, "val_reward": 0.30})  # no clock (an older run): not a point
+    minutes, reward, se, key = reward_against_minutes(load_run(run).metrics)
+    assert key == "val_reward"
+    assert minutes.tolist() == [1.5, 4.5] and reward.tolist() == [0.10, 0.25] and se.tolist() == [0.02, 0.03]
+    out = tmp_path / "out"
+    page = write_report(run, out).read_text()
+    assert (out / "reward_time.png").read_bytes().startswith(PNG_MAGIC)
+    assert 'id="plot-reward_time"' in page

@@ -175,7 +175,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
     try:
         with InterruptFlag() as interrupt, progress:
             if run.start_iteration == 0 and run.eval_problems:
-                before = queue.run(_evaluate, run, 0, progress)
+                before = queue.run(_evaluate, run, 0, progress, budget)
                 run.state["val_before"] = before.summary() | {"per_problem": before.per_problem}
                 budget.reserve_s = FINAL_EVAL_MARGIN * before.time_s
                 print(f"held-out reward before training: {_val_text(before)}", file=out, flush=True)
@@ -275,7 +275,7 @@ def _train_step(run: Run, groups: list[Group], progress: Progress) -> dict[str, 
         progress.remove(bar)
 
 
-def _evaluate(run: Run, iteration: int, progress: Progress) -> EvalResult:
+def _evaluate(run: Run, iteration: int, progress: Progress, budget: TimeBudget | None = None) -> EvalResult:
     cfg = run.cfg
     bar = progress.bar("evaluation", total=None)
     try:
@@ -284,8 +284,9 @@ def _evaluate(run: Run, iteration: int, progress: Progress) -> EvalResult:
                           run.verifier, seed=cfg.loop.seed + EVAL_SEED_OFFSET)
     finally:
         progress.remove(bar)
-    if iteration == 0:
-        run.writer.log(0, _val_metrics(result))
+    if iteration == 0:  # the reward before training, at the minute it was measured
+        elapsed = {} if budget is None else {"time/elapsed_min": budget.elapsed_s() / 60}
+        run.writer.log(0, _val_metrics(result) | elapsed)
     if cfg.logging.samples_per_eval:
         run.writer.log_samples(iteration, _best_and_worst(result, cfg.logging.samples_per_eval))
     return result
