@@ -60,12 +60,14 @@ def run_arm(name: str, seed: int, minutes: float, eval_every: int, out: Path) ->
 
 def summarize(run_dir: Path, name: str, seed: int, wall_s: float) -> dict[str, Any]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    state = CheckpointManager(run_dir / "checkpoints").latest().state
-    before, after = state["val_before"], state["val_last"]
+    latest = CheckpointManager(run_dir / "checkpoints").latest()
+    if latest is None:  # the budget was spent before a first iteration could start
+        before = after = {"avg": rows[0]["val_reward"], "chance": rows[0].get("val_chance"), "per_problem": [0.0]}
+    else:
+        before, after = latest.state["val_before"], latest.state["val_last"]
     diffs = [a - b for a, b in zip(after["per_problem"], before["per_problem"], strict=True)]
     gain, se = mean_se(diffs)
-    curve = [(0.0, rows[0]["val_reward"])] + [(r["time/elapsed_min"], r["val_reward"]) for r in rows[1:]
-                                               if "val_reward" in r]
+    curve = [(r["time/elapsed_min"], r["val_reward"]) for r in rows if "val_reward" in r]
     return {"arm": name, "seed": seed, "iterations": rows[-1]["iteration"], "wall_min": wall_s / 60,
             "run_min": rows[-1]["time/elapsed_min"], "before": before["avg"], "after": after["avg"],
             "chance": before.get("chance"), "gain": gain, "gain_se": se, "curve": curve}

@@ -21,6 +21,7 @@ advantages are computed: they count in the baseline but carry no loss.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -28,6 +29,7 @@ from typing import Any
 
 from sleuth.config import Config
 from sleuth.evaluate import mean_se, to_groups
+from sleuth.metrics import prefixed
 from sleuth.models import encode_chat
 from sleuth.progress import Progress
 from sleuth.records import Group, Problem, SamplingParams
@@ -81,8 +83,10 @@ class Sampler:
     """Builds training batches from the task stream with one rollout engine and verifier."""
 
     def __init__(self, cfg: Config, tokenizer: Any, engine: RolloutEngine, verifier: VerifierRunner,
-                 task_for_level: Callable[[int], Task], progress: Progress) -> None:
+                 task_for_level: Callable[[int], Task], progress: Progress, episodes: Any = None) -> None:
         self.cfg = cfg
+        self.episodes = episodes
+        """Episode tasks: the EpisodeRunner whose agent code produces scored groups; None otherwise."""
         self.tokenizer = tokenizer
         self.engine = engine
         self.verifier = verifier
@@ -100,6 +104,7 @@ class Sampler:
         task = self.task_for_level(level)
         all_groups: list[Group] = []
         times = {"rollout": 0.0, "score": 0.0, "errors": 0.0, "timeouts": 0.0}
+        outcomes: list[Any] = []  # episode tasks: every episode's outcome, for episode_metrics
         n_rounds, drops = 0, 0
         for _ in range(rounds):
             need = want - len(batch.groups)
@@ -109,7 +114,10 @@ class Sampler:
             positions = list(range(batch.end, batch.end + need))
             batch.end += need
             problems = [task.train_problem(i) for i in positions]
-            groups = self._generate_and_score(iteration, len(all_groups), problems, times)
+            if self.episodes is not None:
+                groups = self._run_episodes(iteration, len(all_groups), problems, times, outcomes)
+            else:
+                groups = self._generate_and_score(iteration, len(all_groups), problems, times)
             all_groups.extend(groups)
             kept, kept_positions = self._advantages(groups, positions, batch.metrics)
             drops += len(groups) - len(kept)
@@ -119,11 +127,17 @@ class Sampler:
             batch.groups.extend(kept)
             batch.positions.extend(kept_positions)
         batch.reward_mean = self._reward_metrics(all_groups, times, batch.metrics)
+        if self.episodes is not None:
+            from sleuth.tasks.episodes import episode_metrics
+
+            batch.metrics.update(episode_metrics(outcomes, all_groups))
+            batch.reward_mean = batch.metrics["rollout/reward_mean"]
+            batch.metrics["rollout/tokens_per_s"] = batch.metrics["rollout/tokens"] / max(times["rollout"], 1e-9)
         batch.metrics.update({
             "rollout/sampling_rounds": float(n_rounds), "rollout/sampling_draws": float(batch.end - batch.start),
-            "rollout/sampling_drops": float(drops), "groups": float(len(all_groups)),
-            "groups_dropped": float(drops), "rollout/policy_version": float(version),
-            "task/difficulty": float(level),
+            "rollout/sampling_drops": float(drops), "train/groups": float(len(all_groups)),
+            "train/groups_dropped": float(drops), "rollout/policy_version": float(version),
+            "rollout/difficulty": float(level),
         })
         return batch
 
@@ -144,10 +158,27 @@ class Sampler:
         t = time.perf_counter()
         groups = to_groups(problems, prompts, results)
         stats = score_groups(self.verifier, groups)
+        if warning := stats.all_failed_warning(f"iteration {iteration}"):
+            print(f"sleuth: warning: {warning}", file=sys.stderr)
         times["score"] += time.perf_counter() - t
         times["errors"] += stats.verifier_errors
         times["timeouts"] += stats.verifier_timeouts
         return groups
+
+    def _run_episodes(self, iteration: int, first_index: int, problems: list[Problem], times: dict[str, float],
+                      outcomes: list[Any]) -> list[Group]:
+        """samples_per_task episodes per problem (already scored); groups of episodes with a call."""
+        bar = self.progress.bar("episodes", total=len(problems))
+        t = time.perf_counter()
+        try:
+            groups, round_outcomes = self.episodes.run(
+                problems, self.cfg.rollout.samples_per_task, request_seed(self.cfg.loop.seed, iteration, first_index),
+                on_group=lambda: self.progress.advance(bar))
+        finally:
+            self.progress.remove(bar)
+        times["rollout"] += time.perf_counter() - t
+        outcomes.extend(round_outcomes)
+        return [g for g in groups if g.completions]
 
     def _advantages(self, groups: list[Group], positions: list[int],
                     metrics: dict[str, Any]) -> tuple[list[Group], list[int]]:
@@ -169,7 +200,7 @@ class Sampler:
         if algo.mask_truncated:
             kept = [(mask_truncated(g), p) for g, p in kept]
             kept = [(g, p) for g, p in kept if g.completions]
-        metrics["advantage_abs_mean"] = _abs_mean([a for g, _ in kept for a in g.advantages or []])
+        metrics["train/advantage_abs_mean"] = _abs_mean([a for g, _ in kept for a in g.advantages or []])
         return [g for g, _ in kept], [p for _, p in kept]
 
     def _reward_metrics(self, groups: list[Group], times: dict[str, float], metrics: dict[str, Any]) -> float:
@@ -178,16 +209,15 @@ class Sampler:
         lengths = [len(c.completion_ids) for c in completions]
         n = max(len(completions), 1)
         mean, se = mean_se(rewards)
-        metrics.update(
+        metrics.update(prefixed("rollout", dict(
             reward_mean=mean, reward_se=se, reward_max=max(rewards, default=0.0),
             verifier_errors=times["errors"], verifier_timeouts=times["timeouts"],
             completion_tokens_mean=sum(lengths) / n, tokens=sum(lengths),
             truncated_frac=sum(c.finish_reason == "length" for c in completions) / n,
             tokens_per_s=sum(lengths) / max(times["rollout"], 1e-9),
-            time_rollout_s=times["rollout"], time_score_s=times["score"],
-        )
-        metrics["rollout/overlong_penalty"] = sum(c.reward_info.get("overlong_penalty", 0.0)
-                                                  for c in completions) / n
+            overlong_penalty=sum(c.reward_info.get("overlong_penalty", 0.0) for c in completions) / n,
+        )))
+        metrics.update({"time/rollout_s": times["rollout"], "time/score_s": times["score"]})
         return mean
 
 
