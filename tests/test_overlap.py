@@ -57,7 +57,7 @@ def test_overlapped_run_then_sigkill_and_resume_neither_loses_nor_duplicates_a_p
     # Batch 1 comes from the base weights; batch i >= 2 was generated while i - 1 trained, so by
     # version i - 2 while the trainer held version i - 1: one step off-policy, never more.
     assert [r["rollout/policy_version"] for r in rows] == [0, 0, 1, 2, 3, 4]
-    assert all(r["rollout/stale_dropped"] == 0 and r["rows"] >= 1 for r in rows)  # every batch trained
+    assert all(r["rollout/stale_dropped"] == 0 and r["train/rows"] >= 1 for r in rows)  # every batch trained
     expected = trained_positions(rows)
     assert expected == list(range(2 * iterations))
 

@@ -79,11 +79,11 @@ def test_one_round_without_dynamic_sampling_and_truncated_completions_masked(fil
     try:
         batch = sampler.collect(iteration=1, position=0, level=1, version=0)
         assert batch.end == 3 and batch.metrics["rollout/sampling_rounds"] == 1
-        dropped = batch.metrics["groups_dropped"]
+        dropped = batch.metrics["train/groups_dropped"]
         assert len(batch.groups) + dropped == 3 and dropped >= kinds(run, range(3)).count("flat")
         assert kinds(run, batch.positions) == ["varied"] * len(batch.groups)
         assert batch.metrics["rollout/overlong_penalty"] == 0.0
-        assert batch.metrics["truncated_frac"] > 0  # some were cut at max_tokens ...
+        assert batch.metrics["rollout/truncated_frac"] > 0  # some were cut at max_tokens ...
         assert all(c.finish_reason != "length" for g in batch.groups for c in g.completions)  # ... and masked
     finally:
         run.engine.close()

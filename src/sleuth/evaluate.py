@@ -83,6 +83,11 @@ class EvalResult:
     per_problem: list[float] = field(default_factory=list)
     """avg@k of each problem, in order (paired comparisons between two evaluations)."""
     records: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    verifier_errors: int = 0
+    """Samples whose verifier failed (scored 0), timeouts included."""
+    verifier_timeouts: int = 0
+    warning: str | None = None
+    """Set when every verifier call failed: the evaluation measured nothing."""
 
     def summary(self) -> dict[str, Any]:
         """Everything but the per-sample records (what summary.json and metrics hold)."""
@@ -169,7 +174,7 @@ def evaluate(
         for i, (p, ids) in enumerate(zip(problems, prompts, strict=True))
     ]
     groups = to_groups(problems, prompts, engine.generate_all(requests))
-    score_groups(verifier, groups)
+    stats = score_groups(verifier, groups)
     key_of = answer_key_fn(task)
     has_key = callable(getattr(task, "answer_key", None))
     rewards, keys, tokens, records = [], [], [], []
@@ -189,6 +194,42 @@ def evaluate(
             records.append(record)
     out = summarize(rewards, keys, k, tokens, chance_level(task, problems))
     out.records = records
+    out.verifier_errors, out.verifier_timeouts = stats.verifier_errors, stats.verifier_timeouts
+    out.warning = stats.all_failed_warning("the evaluation")
     out.mean_prompt_tokens = sum(map(len, prompts)) / max(len(prompts), 1)
     out.time_s = time.perf_counter() - start
     return out
+
+
+def evaluate_episodes(runner: Any, problems: Sequence[Problem], k: int, sampling: SamplingParams,
+                      seed: int = 0) -> EvalResult:
+    """Episode tasks: k episodes per problem (an EpisodeRunner), avg@k / pass@k over episode rewards;
+    maj@k votes on each episode's last reply text. Episode (j, i) is seeded seed + 4096 j + i."""
+    import asyncio
+
+    start = time.perf_counter()
+
+    async def run_all() -> list[list[Any]]:
+        from sleuth.tasks.episodes import SharedHTTP
+
+        async with SharedHTTP.open() as http:
+            per = [asyncio.gather(*(runner.episode(p, seed + 4096 * j + i, sampling, http) for i in range(k)))
+                   for j, p in enumerate(problems)]
+            return [list(o) for o in await asyncio.gather(*per)]
+
+    outcomes = asyncio.run(run_all())
+    rewards, keys, tokens, records = [], [], [], []
+    for p, per in zip(problems, outcomes, strict=True):
+        rewards.append([o.reward for o in per])
+        texts = [o.episode.turns[-1].text.strip() if o.episode.turns else "" for o in per]
+        keys.append([t or None for t in texts])
+        tokens.append([o.episode.sampled_tokens for o in per])
+        for j, (o, text) in enumerate(zip(per, texts, strict=True)):
+            records.append({"problem_id": p.id, "sample": j, "reward": o.reward, "tokens": o.episode.sampled_tokens,
+                            "calls": o.episode.calls, "status": o.status, "error": o.error, "text": text,
+                            "metrics": o.metrics})
+    out = summarize(rewards, keys, k, tokens)
+    out.records = records
+    out.time_s = time.perf_counter() - start
+    return out
+

@@ -27,17 +27,19 @@ from sleuth.budget import FINAL_EVAL_MARGIN, TimeBudget
 from sleuth.checkpoint import CheckpointManager
 from sleuth.config import Config, dump_config
 from sleuth.curriculum import Curriculum, parse_schedule
-from sleuth.evaluate import EvalResult, eval_sampling, evaluate, mean_se
+from sleuth.evaluate import EvalResult, eval_sampling, evaluate, evaluate_episodes, mean_se
 from sleuth.hardware import resolve_dtype
-from sleuth.metrics import MetricsWriter
+from sleuth.metrics import MetricsWriter, prefixed, timed
 from sleuth.models import resolve_model_path
 from sleuth.overlap import RolloutQueue, drop_stale
 from sleuth.progress import Progress
-from sleuth.records import Group, Problem
+from sleuth.records import Group, Problem, SamplingParams
 from sleuth.rollout.base import RolloutEngine
 from sleuth.sampling import Sampler
 from sleuth.scoring import VerifierRunner
+from sleuth.sync import WeightSync
 from sleuth.tasks.base import Task
+from sleuth.tasks.episodes import EpisodeRunner, find_rollout
 from sleuth.train.policy import Policy
 from sleuth.train.step import Trainer
 
@@ -52,9 +54,10 @@ class Run:
     cfg: Config
     run_dir: Path
     task: Task
-    policy: Any
-    trainer: Any
+    policy: Policy
+    trainer: Trainer
     engine: RolloutEngine
+    sync: WeightSync
     writer: MetricsWriter
     checkpoints: CheckpointManager
     verifier: VerifierRunner
@@ -64,6 +67,8 @@ class Run:
     start_iteration: int = 0
     state: dict[str, Any] = field(default_factory=dict)
     """Carried across checkpoints: val_before, the latest val_reward, data position, budget, curriculum."""
+    episodes: Any = None
+    """Episode tasks: the EpisodeRunner (gateway + the task's rollout function); None otherwise."""
     tasks: dict[int, Task] = field(default_factory=dict)
 
     def task_for_level(self, level: int) -> Task:
@@ -161,11 +166,20 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     if resume:  # forget what was logged after the checkpoint (everything, when there is none)
         writer.truncate_after(start if latest is not None else -1)
     engine = make_engine(cfg.rollout, str(resolve_model_path(cfg.model.path)), dtype, cfg.loop.seed)
+    sync = WeightSync(policy, engine)
     if start > 0:  # the engine starts from the base weights; give it the trained ones
-        engine.sync_weights(policy.sync_state())
+        sync.push()
     verifier = VerifierRunner.from_config(task, cfg.task)
-    return Run(cfg, run_dir, task, policy, trainer, engine, writer, checkpoints, verifier, eval_problems,
-               dtype, start, state)
+    rollout_fn = find_rollout(cfg.task, task)
+    episodes = None if rollout_fn is None else EpisodeRunner(rollout_fn, engine, policy.tokenizer, cfg.task,
+                                                             train_sampling(cfg))
+    return Run(cfg, run_dir, task, policy, trainer, engine, sync, writer, checkpoints, verifier, eval_problems,
+               dtype, start, state, episodes)
+
+
+def train_sampling(cfg: Config) -> SamplingParams:
+    return SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                          max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.stdout,
@@ -177,8 +191,9 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
     budget.restore(run.state.get("budget"))
     progress = progress or Progress()
     curriculum = Curriculum(parse_schedule(cfg.task.difficulty), run.state.get("curriculum_stage", 0))
-    sampler = Sampler(cfg, run.policy.tokenizer, run.engine, run.verifier, run.task_for_level, progress)
-    queue = RolloutQueue(sampler, run.engine, L.max_staleness, version=run.start_iteration,
+    sampler = Sampler(cfg, run.policy.tokenizer, run.engine, run.verifier, run.task_for_level, progress,
+                      run.episodes)
+    queue = RolloutQueue(sampler, L.max_staleness, version=run.start_iteration,
                          position=run.state.get("data_position", run.start_iteration * L.tasks_per_iteration))
     run.state.setdefault("data_position", queue.position)
     if cfg.model.dtype == "auto":
@@ -196,11 +211,12 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
             for it in range(run.start_iteration + 1, L.iterations + 1):
                 if not budget.allows_next():  # only after a resume whose budget was already spent
                     break
-                t_iter = time.perf_counter()
+                t_iter = time.perf_counter()  # time/iteration_s: every step, logging excluded
                 seed_everything(L.seed, it, L.deterministic)
 
-                # 1-4. The batch: draw problems, generate, score (+ over-length penalty), group
-                #      advantages, drop zero-advantage groups (sampling.py; DAPO dynamic sampling).
+                # 1-4. The batch (sampling.py): draw problems at the data position, generate (or run
+                #      episodes), score (+ over-length penalty), group advantages, drop zero-advantage
+                #      groups; with DAPO dynamic sampling, more rounds until the batch is full.
                 batch = queue.take(it, curriculum.level)
                 for ahead in range(it + 1, min(it + L.max_staleness, L.iterations) + 1):
                     if budget.allows_next(ahead=ahead - it):  # overlap: generate while this one trains
@@ -212,18 +228,16 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
                     break
 
                 # 5. Pack groups into rows (shared prompts) and take the optimizer step.
-                t = time.perf_counter()
-                # (an empty batch still counts as a step, so the schedule does not depend on luck)
-                step_metrics = _train_step(run, batch.groups, progress)
-                metrics.update({f"train_{k}" if k in metrics else k: v for k, v in step_metrics.items()})
-                metrics["time_train_s"] = time.perf_counter() - t
+                with timed(metrics, "train"):
+                    # (an empty batch still counts as a step, so the schedule does not depend on luck)
+                    metrics.update(prefixed("train", _train_step(run, batch.groups, progress)))
                 run.state["data_position"] = batch.end  # trained up to here: where a resume draws next
 
-                # 6. Sync the updated weights into the rollout engine (after any generation under way).
-                t = time.perf_counter()
-                if batch.groups:
-                    queue.sync(run.policy.sync_state(), version=it)
-                metrics["time_sync_s"] = time.perf_counter() - t
+                # 6. Sync the updated weights into the rollout engine (adapter-only with LoRA where
+                #    the engine serves adapters, else full weights; sleuth.sync decides), after any
+                #    generation under way; then the curriculum moves on if this batch earned it.
+                metrics.update(queue.sync(run.sync, version=it) if batch.groups else
+                               {"time/sync_s": 0.0, "sync/bytes": 0.0, "sync/adapter": float(run.sync.mode == "adapter")})
                 if curriculum.update(batch.reward_mean):
                     print(f"curriculum: reward {batch.reward_mean:.3f} -> difficulty {curriculum.level}",
                           file=out, flush=True)
@@ -239,7 +253,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
                     run.state["val_last"] = val.summary() | {"per_problem": val.per_problem}
 
                 # 8. Log, and checkpoint on schedule, at the end, or when interrupted.
-                metrics["time_iteration_s"] = time.perf_counter() - t_iter
+                metrics["time/iteration_s"] = time.perf_counter() - t_iter
                 metrics["time/elapsed_min"] = budget.elapsed_s() / 60
                 run.writer.log(it, metrics)
                 print(_summary_line(it, L.iterations, metrics), file=out, flush=True)
@@ -263,6 +277,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
         queue.close()
         run.writer.close()
         run.verifier.close()
+        if run.episodes is not None:
+            run.episodes.close()
         run.engine.close()
     print(_budget_text(done, L.iterations, budget), file=out, flush=True)
     before, after = run.state.get("val_before"), run.state.get("val_last")
@@ -293,11 +309,16 @@ def _evaluate(run: Run, iteration: int, progress: Progress, budget: TimeBudget |
     cfg = run.cfg
     bar = progress.bar("evaluation", total=None)
     try:
-        result = evaluate(run.engine, run.task, run.policy.tokenizer, run.eval_problems, cfg.eval.k,
-                          eval_sampling(cfg),
-                          run.verifier, seed=cfg.loop.seed + EVAL_SEED_OFFSET)
+        if run.episodes is not None:
+            result = evaluate_episodes(run.episodes, run.eval_problems, cfg.eval.k, eval_sampling(cfg),
+                                       seed=cfg.loop.seed + EVAL_SEED_OFFSET)
+        else:
+            result = evaluate(run.engine, run.task, run.policy.tokenizer, run.eval_problems, cfg.eval.k,
+                              eval_sampling(cfg), run.verifier, seed=cfg.loop.seed + EVAL_SEED_OFFSET)
     finally:
         progress.remove(bar)
+    if result.warning:
+        print(f"sleuth: warning: {result.warning}", file=sys.stderr)
     if iteration == 0:  # the reward before training, at the minute it was measured
         elapsed = {} if budget is None else {"time/elapsed_min": budget.elapsed_s() / 60}
         run.writer.log(0, _val_metrics(result) | elapsed)
@@ -308,11 +329,11 @@ def _evaluate(run: Run, iteration: int, progress: Progress, budget: TimeBudget |
 
 def _val_metrics(val: EvalResult) -> dict[str, Any]:
     k = val.k
-    out = {"val_reward": val.avg, "val_reward_se": val.avg_se, f"val_pass@{k}": val.pass_k,
-           f"val_maj@{k}": val.maj, "val_completion_tokens": val.mean_completion_tokens,
-           "time_eval_s": val.time_s}
+    out = {"val/reward": val.avg, "val/reward_se": val.avg_se, f"val/pass@{k}": val.pass_k,
+           f"val/maj@{k}": val.maj, "val/completion_tokens": val.mean_completion_tokens,
+           "time/eval_s": val.time_s}
     if val.chance is not None:
-        out["val_chance"] = val.chance
+        out["val/chance"] = val.chance
     return out
 
 
@@ -349,12 +370,12 @@ def _export_final(run: Run) -> None:
 
 
 def _summary_line(it: int, total: int, m: dict[str, Any]) -> str:
-    val = f"  val {m['val_reward']:.3f}±{m['val_reward_se']:.3f}" if "val_reward" in m else ""
-    loss = f"  loss {m['loss']:+.4f}" if "loss" in m else ""
+    val = f"  val {m['val/reward']:.3f}±{m['val/reward_se']:.3f}" if "val/reward" in m else ""
+    loss = f"  loss {m['train/loss']:+.4f}" if "train/loss" in m else ""
     return (
-        f"iter {it}/{total}  reward {m['reward_mean']:.3f}{val}{loss}  {m['tokens_per_s']:.0f} tok/s  "
-        f"gen {m['time_rollout_s']:.1f}s score {m['time_score_s']:.1f}s train {m['time_train_s']:.1f}s "
-        f"sync {m['time_sync_s']:.1f}s"
+        f"iter {it}/{total}  reward {m['rollout/reward_mean']:.3f}{val}{loss}  "
+        f"{m['rollout/tokens_per_s']:.0f} tok/s  gen {m['time/rollout_s']:.1f}s score {m['time/score_s']:.1f}s "
+        f"train {m['time/train_s']:.1f}s sync {m['time/sync_s']:.1f}s"
     )
 
 

@@ -1,11 +1,11 @@
 """Batches from the rollout side, synchronous or overlapped with training (loop.max_staleness).
 
-    queue = RolloutQueue(sampler, engine, max_staleness=1, position=0, version=0)
+    queue = RolloutQueue(sampler, max_staleness=1, position=0, version=0)
     batch = queue.take(it, level)             # iteration it's batch (generated now, or earlier)
     queue.prefetch(it + 1, level)             # max_staleness > 0: generate it + 1 while `it` trains
     fresh, dropped = drop_stale(batch, trainer_version=it - 1, max_staleness=1)
     ... train ...
-    queue.sync(policy, version=it)            # queued behind the generation already running
+    queue.sync(weight_sync, version=it)       # queued behind the generation already running
 
 Every use of the engine (generation, weight sync, evaluation) runs on one worker thread, in the order
 it was submitted, so the engine never sees two callers and a sync never lands mid-generation. With
@@ -26,11 +26,12 @@ last trained batch, so batches generated ahead and lost to a crash are drawn aga
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from sleuth.rollout.base import RolloutEngine
 from sleuth.sampling import Batch, Sampler
+from sleuth.sync import SyncStats, WeightSync
 
 T = TypeVar("T")
 
@@ -51,10 +52,8 @@ def drop_stale(batch: Batch, trainer_version: int, max_staleness: int) -> tuple[
 class RolloutQueue:
     """Submits generation, weight syncs and evaluations to the engine's one worker, in order."""
 
-    def __init__(self, sampler: Sampler, engine: RolloutEngine, max_staleness: int, position: int,
-                 version: int) -> None:
+    def __init__(self, sampler: Sampler, max_staleness: int, position: int, version: int) -> None:
         self.sampler = sampler
-        self.engine = engine
         self.max_staleness = max_staleness
         self.position = position
         """Data position of the next draw (advanced on the worker as batches are drawn)."""
@@ -88,18 +87,23 @@ class RolloutQueue:
         self.prefetch(iteration, level)
         return self._batches.pop(iteration).result()
 
-    def sync(self, weights: Any, version: int) -> None:
-        """Put `weights` (named tensors) into the engine after the work already queued.
+    def sync(self, weights: WeightSync, version: int) -> dict[str, float]:
+        """Push the policy's weights (version `version`) into the engine after the work already queued.
 
-        When overlapped, the tensors are copied first: the trainer goes on changing its own.
+        Synchronous: pushed now, the sync's metrics returned. Overlapped: the weights are copied now
+        (the trainer goes on changing its own) and pushed by the worker; the copy's time is returned.
         """
-        if self._worker is not None:
-            weights = [(name, t.detach().clone()) for name, t in weights]
-        self._submit(self._sync_now, weights, version)
+        start = time.perf_counter()
+        push = weights.push if self._worker is None else weights.snapshot()
+        future = self._submit(self._push, push, version)
+        if self._worker is None:
+            return future.result().metrics()
+        return {"time/sync_s": time.perf_counter() - start, "sync/adapter": float(weights.mode == "adapter")}
 
-    def _sync_now(self, weights: Any, version: int) -> None:
-        self.engine.sync_weights(weights)
+    def _push(self, push: Callable[[], SyncStats], version: int) -> SyncStats:
+        stats = push()
         self.engine_version = version
+        return stats
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` (an evaluation) on the engine's worker after the queued work; wait for it."""
