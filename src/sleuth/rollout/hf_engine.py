@@ -36,7 +36,7 @@ from sleuth.rollout.base import (
     resolve_future,
 )
 from sleuth.rollout.shared_prefix import SharedPrefixCache
-from sleuth.train.attention import PACKED, register_packed_attention
+from sleuth.train.attention import PACKED, register_packed_attention, special_attention
 
 DEFAULT_MAX_ROWS = 64
 """Rows (samples) decoded together when rollout.max_concurrency is not set."""
@@ -299,7 +299,11 @@ def _hits_stop(tokenizer: Any, tokens: list[int], stops: tuple[str, ...]) -> boo
 
 def _shared_prefix_ready(model: Any) -> bool:
     """Whether the model's attention is sleuth's registered one (which takes attention_override).
-    A model on plain "sdpa" is switched to it: without the override it is exactly sdpa."""
+    A model on plain "sdpa" is switched to it: without the override it is exactly sdpa. Sliding
+    windows and attention sinks are not in SharedPrefixCache.attend: those models decode with a
+    repeated cache (transformers' own cache layers and masks keep them exact)."""
+    if special_attention(model.config):
+        return False
     impl = getattr(model.config, "_attn_implementation", None)
     if impl == "sdpa" and hasattr(model, "set_attn_implementation"):
         register_packed_attention()

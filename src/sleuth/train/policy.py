@@ -69,6 +69,8 @@ class Policy:
 
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = load_causal_lm(model_cfg.path, model_cfg.dtype, attn_implementation=backend_for(dev))
+        if backend_for(dev, model.config) != model.config._attn_implementation:  # windows or sinks
+            model.set_attn_implementation(backend_for(dev, model.config))
         tokenizer = load_tokenizer(model_cfg.path)
         return cls(model, tokenizer, model_cfg, need_reference, dev)
 
@@ -135,14 +137,14 @@ class Policy:
 
     @torch.no_grad()
     def naive_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
-        """Completion logprobs from one plain causal forward of [prompt | completion] (self-check)."""
+        """Completion logprobs from one plain causal forward of [prompt | completion] (self-check):
+        the model's own logits, so a head that is more than a linear layer (logit soft-capping or
+        scaling, which row_logprobs does not apply) fails the self-check too."""
         ids = torch.tensor([prompt_ids + completion_ids], device=self.device)
-        lm = self.causal_lm
-        hidden = lm.model(input_ids=ids, use_cache=False).last_hidden_state[0]
-        p = len(prompt_ids)
-        pred = hidden[p - 1 : p - 1 + len(completion_ids)]
+        p, n = len(prompt_ids), len(completion_ids)
+        logits = self.causal_lm(input_ids=ids, use_cache=False).logits[0, p - 1 : p - 1 + n].float()
         targets = torch.tensor(completion_ids, device=self.device)
-        return token_logprobs(pred, lm.get_output_embeddings(), targets)[0]
+        return torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
 
     # ------------------------------------------------------------------ weights
 

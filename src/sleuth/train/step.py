@@ -271,6 +271,6 @@ class Trainer:
                 f"packed-sequence self-check failed: logprobs differ from separate sequences by up to "
                 f"{max_diff:.3g} (mean {mean_diff:.3g}) with attn_implementation="
                 f"'{policy.attn_backend}'; this model's attention ignores the packed mask "
-                f"(use sdpa on CPU, flex_attention on CUDA)"
+                f"(use sdpa on CPU, flex_attention on CUDA) or its output head is not a plain linear layer"
             )
         return {"self_check_max_diff": max_diff, "self_check_mean_diff": mean_diff}
