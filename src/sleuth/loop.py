@@ -122,6 +122,9 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     seed_everything(cfg.loop.seed, 0, cfg.loop.deterministic)
     task = build_task(cfg.task)
     eval_problems = list(task.eval_problems())[: cfg.task.eval_size] if cfg.loop.evaluate else []
+    if cfg.model.quantization != "none" and cfg.rollout.native_lora:
+        raise UserError("rollout.native_lora serves the adapter on the unquantized base, which "
+                        f"model.quantization={cfg.model.quantization} changes; turn one of them off")
     policy = Policy.from_config(cfg.model, need_reference=cfg.algorithm.kl_beta > 0)
     trainer = Trainer(policy, cfg.algorithm, cfg.trainer, total_steps=cfg.loop.iterations,
                       max_tokens=cfg.rollout.max_tokens)
@@ -137,7 +140,9 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     if resume:  # forget what was logged after the checkpoint (everything, when there is none)
         writer.truncate_after(start if latest is not None else -1)
     engine = make_engine(cfg.rollout, str(resolve_model_path(cfg.model.path)), cfg.model.dtype, cfg.loop.seed)
-    if start > 0:  # the engine starts from the base weights; give it the trained ones
+    # The engine starts from the checkpoint's weights: give it the trained ones, or (quantized
+    # base) the dequantized ones the trainer really computes with, so rollouts stay on-policy.
+    if start > 0 or cfg.model.quantization != "none":
         engine.sync_weights(policy.sync_state())
     verifier = VerifierRunner.from_config(task, cfg.task)
     return Run(cfg, run_dir, task, policy, trainer, engine, writer, checkpoints, verifier, eval_problems,
