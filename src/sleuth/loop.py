@@ -27,6 +27,7 @@ import torch
 
 from sleuth.checkpoint import CheckpointManager
 from sleuth.config import Config, dump_config
+from sleuth.errors import UserError
 from sleuth.evaluate import EvalResult, eval_sampling, evaluate, mean_se, to_groups
 from sleuth.metrics import MetricsWriter
 from sleuth.models import encode_chat, resolve_model_path
