@@ -203,7 +203,7 @@ class Policy:
 
     def _lora_layers(self) -> dict[str, Any]:
         """HF parameter name -> the LoRA layer adapting it (cached; the module tree never changes)."""
-        if getattr(self, "_lora_by_param", None) is None:
+        if self._lora_by_param is None:
             from peft.tuners.lora import LoraLayer
 
             found = {}
