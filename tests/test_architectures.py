@@ -120,8 +120,11 @@ def test_lora(arch: str, caplog: pytest.LogCaptureFixture) -> None:
     # Qwen3-MoE / Mixtral / OLMoE expert stacks are wrapped (PEFT ParamWrapper) and trained.
     noted = "LoRA leaves these weights frozen" in caplog.text
     assert noted == (arch == "gpt_oss"), caplog.text
-    if arch in ("qwen3_moe", "mixtral", "olmoe"):
+    wrapped_experts = arch in ("qwen3_moe", "mixtral", "olmoe")
+    if wrapped_experts:
         assert any("experts" in n and "lora_A" in n for n, _ in policy.model.named_parameters())
+    # Expert-stack adapters are not B @ A of a weight: weight sync sends merged weights for them.
+    assert policy.adapter_is_portable == (not wrapped_experts)
     check_packed_equals_naive(policy, seed=2)
     # The merged full weights (what weight sync and export send) equal the adapted model.
     ids = torch.tensor([list(range(40, 80))])

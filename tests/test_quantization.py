@@ -73,6 +73,7 @@ def test_quantized_base_trains_an_adapter(tiny_dir: Path, quantization: str, tmp
     layer_type = bnb.nn.Linear4bit if quantization == "nf4" else bnb.nn.Linear8bitLt
     q_proj = lm.model.layers[0].self_attn.q_proj
     assert isinstance(q_proj.base_layer, layer_type)
+    assert not policy.adapter_is_portable  # the engine's base is not quantized: sync merged weights
     trainable = dict(policy.model.named_parameters())
     assert all("lora_" in n and p.dtype == torch.float32 for n, p in trainable.items() if p.requires_grad)
 

@@ -2,7 +2,7 @@
 
     policy = Policy.from_config(cfg.model, need_reference=cfg.algorithm.kl_beta > 0)
     logp, entropy = policy.row_logprobs(row)          # packed row -> per completion-token values
-    engine.sync_weights(policy.sync_state())          # full merged weights, base HF names
+    policy.sync_state()                                # full merged weights, base HF names (sleuth.sync)
     policy.save(dir); policy.load_weights(dir); policy.export_merged(dir)
 
 The reference policy for the KL term is the same model with the adapter disabled (LoRA, no second
@@ -96,6 +96,14 @@ class Policy:
     def causal_lm(self) -> Any:
         """The transformers CausalLM (with LoRA layers injected when LoRA is on)."""
         return self.model.get_base_model() if self.is_lora else self.model
+
+    @property
+    def adapter_is_portable(self) -> bool:
+        """Whether the adapter alone, applied to the unquantized base checkpoint, reproduces this
+        policy: LoRA on linear layers only (not PEFT's fused-expert ParamWrappers, whose tensors
+        are not B @ A of a weight) and no quantized base."""
+        return (self.is_lora and self.model_cfg.quantization == "none"
+                and not any(hasattr(m, "parameter_name") for m in self._lora_layers().values()))
 
     @property
     def has_reference(self) -> bool:
