@@ -1,6 +1,6 @@
 """docs/models.md from the architecture tests: which decoder architectures go through which stage.
 
-    python -m sleuth.testing.model_matrix [--out docs/models.md] [--junit results.xml] [-- PYTEST_ARGS]
+    python -m sleuth.testing.model_matrix [--out docs/models.md] [--junit RESULTS.xml ...] [-- PYTEST_ARGS]
 
 Runs tests/test_architectures.py (or reads a JUnit XML file pytest already wrote with --junitxml)
 and writes the table: one row per architecture, one column per test (MATRIX_COLUMNS), each cell
@@ -58,10 +58,11 @@ a one-line error instead of training on wrong logprobs.
 """
 
 
-def collect(junit_xml: Path) -> dict[str, dict[str, tuple[str, str]]]:
-    """{architecture: {column: (status, why)}} from a pytest JUnit XML file."""
+def collect(*junit_xml: Path) -> dict[str, dict[str, tuple[str, str]]]:
+    """{architecture: {column: (status, why)}} from pytest JUnit XML files (later files win)."""
     cells: dict[str, dict[str, tuple[str, str]]] = {}
-    for case in ET.parse(junit_xml).getroot().iter("testcase"):
+    cases = [case for f in junit_xml for case in ET.parse(f).getroot().iter("testcase")]
+    for case in cases:
         m = re.fullmatch(r"(test_\w+)\[(\w+)\]", case.get("name", ""))
         if not m or m.group(1) not in MATRIX_COLUMNS:
             continue
@@ -104,21 +105,22 @@ def render(cells: dict[str, dict[str, tuple[str, str]]], command: str, note: str
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="docs/models.md")
-    parser.add_argument("--junit", help="read this JUnit XML instead of running the tests")
+    parser.add_argument("--junit", nargs="+", help="read these JUnit XML files instead of running the tests")
     parser.add_argument("--note", default="", help="a line printed under the heading (e.g. what was not run, why)")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     a = parser.parse_args(argv)
     command = "python -m sleuth.testing.model_matrix"
     if a.junit:
-        junit = Path(a.junit)
+        junits = [Path(f) for f in a.junit]
     else:
         junit = Path(tempfile.mkdtemp(prefix="model-matrix-")) / "results.xml"
+        junits = [junit]
         test_file = Path(__file__).resolve().parents[3] / "tests" / "test_architectures.py"
         subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file),
                         f"--junitxml={junit}", *a.pytest_args], check=False)
-    cells = collect(junit)
+    cells = collect(*junits)
     if not cells:
-        print(f"no architecture results in {junit}", file=sys.stderr)
+        print(f"no architecture results in {', '.join(map(str, junits))}", file=sys.stderr)
         return 1
     Path(a.out).write_text(render(cells, command, a.note))
     print(a.out)
