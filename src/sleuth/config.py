@@ -124,6 +124,10 @@ class ModelConfig(Section):
     differences are corrected by algorithm.tis_cap."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    quantization: Literal["none", "int8", "nf4"] = "none"
+    """Quantize the frozen base's linear layers at load (bitsandbytes, CPU and CUDA): int8 (LLM.int8)
+    or nf4 (4-bit NormalFloat, QLoRA). Needs LoRA; the adapter keeps lora.dtype. Weight sync and
+    export send dequantized merged weights."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
 

@@ -27,6 +27,7 @@ from sleuth.budget import FINAL_EVAL_MARGIN, TimeBudget
 from sleuth.checkpoint import CheckpointManager
 from sleuth.config import Config, dump_config
 from sleuth.curriculum import Curriculum, parse_schedule
+from sleuth.errors import UserError
 from sleuth.evaluate import EvalResult, eval_sampling, evaluate, evaluate_episodes, mean_se
 from sleuth.hardware import resolve_dtype
 from sleuth.metrics import MetricsWriter, prefixed, timed
@@ -146,6 +147,9 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     seed_everything(cfg.loop.seed, 0, cfg.loop.deterministic)
     task = build_task(cfg.task)
     eval_problems = list(task.eval_problems())[: cfg.task.eval_size] if cfg.loop.evaluate else []
+    if cfg.model.quantization != "none" and cfg.rollout.native_lora:
+        raise UserError("rollout.native_lora serves the adapter on the unquantized base, which "
+                        f"model.quantization={cfg.model.quantization} changes; turn one of them off")
     dtype = resolve_dtype(cfg.model.dtype)
     policy = Policy.from_config(cfg.model.model_copy(update={"dtype": dtype}),
                                 need_reference=cfg.algorithm.kl_beta > 0)
@@ -167,7 +171,9 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
         writer.truncate_after(start if latest is not None else -1)
     engine = make_engine(cfg.rollout, str(resolve_model_path(cfg.model.path)), dtype, cfg.loop.seed)
     sync = WeightSync(policy, engine)
-    if start > 0:  # the engine starts from the base weights; give it the trained ones
+    # The engine starts from the base checkpoint's weights: give it the trained ones, or (quantized
+    # base) the dequantized ones the trainer really computes with, so rollouts stay on-policy.
+    if start > 0 or cfg.model.quantization != "none":
         sync.push()
     verifier = VerifierRunner.from_config(task, cfg.task)
     rollout_fn = find_rollout(cfg.task, task)
