@@ -4,7 +4,7 @@
 
 Runs the default config (plus overrides; default loop.iterations=2) in this process and samples the
 resident set (/proc/self/status VmRSS) every 50 ms, attributing each sample to the stage running:
-model load, engine start, evaluation, rollout, training step, weight sync. Prints a table, the
+model load, engine start, evaluation, rollout + scoring, training step, weight sync. Prints a table, the
 per-iteration times, and one `name=value` line. Peak RSS of the whole process is also measured by
 `/usr/bin/time -v` in docs/benchmarks.md; this script says which stage reaches it.
 """
@@ -22,7 +22,7 @@ from typing import Any
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from sleuth import loop
+from sleuth import loop, sampling
 from sleuth.cli.train import default_config_path
 from sleuth.config import load_config
 from sleuth.hardware import cpu_description
@@ -88,7 +88,7 @@ def main() -> None:
     meter.wrap(loop.Policy, "from_config", "policy load")
     meter.wrap(factory, "make_engine", "engine start")
     meter.wrap(loop, "_evaluate", "evaluation")
-    meter.wrap(loop, "_generate", "rollout")
+    meter.wrap(sampling.Sampler, "collect", "rollout + scoring")
     meter.wrap(loop, "_train_step", "training step")
     meter.wrap(WeightSync, "push", "weight sync")
     with meter, tempfile.TemporaryDirectory() as tmp:

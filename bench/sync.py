@@ -62,15 +62,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--model", default=SMOLLM2_ALIAS, help="a model folder or alias (a tiny one for a smoke run)")
     a = ap.parse_args()
     print(f"# cpu: {cpu_description()}", flush=True)
-    folder = str(resolve_model_path(SMOLLM2_ALIAS))
+    folder = str(resolve_model_path(a.model))
     policy = trained_policy(folder)
     rows, tokens = {}, {}
     for mode in ("full", "adapter"):
         times, moved, tokens[mode] = run_path(a.engine, mode, folder, policy, a.reps)
         rows[mode] = (statistics.median(times), min(times), moved)
-    print(f"SmolLM2-135M-Instruct float32, LoRA r=16 all-linear, engine {a.engine}, {a.reps} syncs per path")
+    print(f"{a.model} float32, LoRA r=16 all-linear, engine {a.engine}, {a.reps} syncs per path")
     print("| path | bytes moved | median s | best s |")
     print("|---|---|---|---|")
     for mode, (med, best, moved) in rows.items():
