@@ -264,7 +264,8 @@ class Policy:
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        state = {name: t.detach().to("cpu").contiguous() for name, t in self.sync_state()}
+        state = _checkpoint_format(self.causal_lm, {name: t.detach().to("cpu").contiguous()
+                                                    for name, t in self.sync_state()})
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         lm = self.causal_lm
         config = copy.deepcopy(lm.config)
@@ -276,6 +277,17 @@ class Policy:
             lm.generation_config.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         return out
+
+
+def _checkpoint_format(lm: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensor names and layout of the model's published checkpoints: transformers 5 fuses some
+    weights at load (MoE experts into one stack per layer) and splits them again on save; vLLM and
+    other loaders read the published layout, so the export does the same as save_pretrained."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # an older transformers: names were never converted
+        return state
+    return {k: v.contiguous() for k, v in revert_weight_conversion(lm, state).items()}
 
 
 def quantization_config(name: str, dtype: str) -> Any:
