@@ -168,7 +168,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
     interrupted, stop_signal = False, 0
     try:
         with InterruptFlag() as interrupt, progress:
-            if run.start_iteration == 0 and run.eval_problems:
+            if run.start_iteration == 0 and run.eval_problems and "val_before" not in run.state:
                 before = _evaluate(run, 0, progress)
                 run.state["val_before"] = before.summary() | {"per_problem": before.per_problem}
                 print(f"held-out reward before training: {_val_text(before)}", file=out, flush=True)
