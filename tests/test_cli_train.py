@@ -172,8 +172,9 @@ def read_tree(root: Path) -> dict[str, bytes]:
 def test_failed_resume_never_rewrites_the_config(trained_run, tmp_path, capsys):
     run = copy_run(trained_run, tmp_path / "run")
     before = read_tree(run)
-    assert main(["train", "--resume", str(run), "trainer.lr=-1"]) == 2  # invalid: refused at load
-    one_error_line(capsys.readouterr().err)
+    for bad in ("trainer.lr=-1", "algorithm.advantage=grop"):  # invalid: refused when the config loads
+        assert main(["train", "--resume", str(run), bad]) == 2
+        assert bad.split("=")[0] in one_error_line(capsys.readouterr().err)
     assert main(["train", "--resume", str(run), f"model.path={tmp_path / 'gone'}"]) == 2  # fails at start
     assert "is neither a folder nor a known alias" in one_error_line(capsys.readouterr().err)
     assert read_tree(run) == before

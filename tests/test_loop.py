@@ -137,11 +137,24 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
 
 
 class LineReader:
-    """Collects a process's stdout lines in a thread, so the test can wait for the next one."""
+    """Reads a process's stdout (lines, to wait for the next one) and stderr in threads, so neither
+    pipe fills up and blocks it."""
 
     def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
         self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [self.lines.put(line) for line in proc.stdout], daemon=True).start()
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=lambda: [self.lines.put(x) for x in proc.stdout], daemon=True),
+                        threading.Thread(target=lambda: self.errors.extend(proc.stderr), daemon=True)]
+        for t in self.threads:
+            t.start()
+
+    def finish(self, timeout: float) -> str:
+        """Wait for the process to end; its whole stderr."""
+        self.proc.wait(timeout=timeout)
+        for t in self.threads:
+            t.join(timeout=10)
+        return "".join(self.errors)
 
     def next_iteration(self, timeout: float) -> int | None:
         """The number of the next "iter K/N" line, or None when none came within timeout."""
@@ -196,10 +209,10 @@ def test_fault_injection_kills_then_resume_match_an_uninterrupted_run(setup_file
         else:
             while (logged := lines.next_iteration(timeout=240)) is not None and logged < targets[kill]:
                 pass
-            assert logged is not None, f"kill {kill}: no progress; {proc.stderr.read()[-2000:]}"
+            assert logged is not None, f"kill {kill}: no progress; {lines.finish(5)[-2000:]}"
             time.sleep(delay)
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=120)
+        err = lines.finish(timeout=120)
         log.append(f"{sig.name} {'at start-up' if during_startup else f'after iter {targets[kill]}'} "
                    f"+{delay:.2f}s: exit {proc.returncode}, resumed from {resumed_from}, "
                    f"then checkpoint {latest_checkpoint(run)}")
