@@ -141,6 +141,12 @@ def test_new_run_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
     assert (out / "model" / "weights.bin").read_bytes() == b"precious"
     assert (out / "config.yaml").read_text() == "my: own\n"
     assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "model"]
+    only_config = tmp_path / "stopped"
+    only_config.mkdir()
+    (only_config / "config.yaml").write_text("loop: {}\n")
+    assert main(["train", "--out", str(only_config)]) == 2
+    assert "a run stopped before its first iteration); continue it with --resume" in \
+        one_error_line(capsys.readouterr().err)
     file_out = tmp_path / "afile"
     file_out.write_text("x")
     assert main(["train", "--out", str(file_out)]) == 2

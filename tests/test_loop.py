@@ -202,7 +202,9 @@ def test_fault_injection_kills_then_resume_match_an_uninterrupted_run(setup_file
         resumed_from = latest_checkpoint(run)
         during_startup = resumed_from >= iterations - 5 or rng.random() < 0.2
         delay = rng.uniform(0, 4.0) if during_startup else rng.uniform(0, 1.5) * per_iteration
-        proc = _cli(["train", *args, "--out", str(run)] if kill == 0 else ["train", "--resume", str(run)], tmp_path)
+        # A run killed before it wrote its config never started: the user starts it again.
+        started = (run / "config.yaml").is_file()
+        proc = _cli(["train", "--resume", str(run)] if started else ["train", *args, "--out", str(run)], tmp_path)
         lines = LineReader(proc)
         if during_startup:  # a random moment, but before the run gets anywhere new
             lines.next_iteration(timeout=delay)
@@ -213,7 +215,8 @@ def test_fault_injection_kills_then_resume_match_an_uninterrupted_run(setup_file
             time.sleep(delay)
         proc.send_signal(sig)
         err = lines.finish(timeout=120)
-        log.append(f"{sig.name} {'at start-up' if during_startup else f'after iter {targets[kill]}'} "
+        log.append(f"{'resume' if started else 'start'}, {sig.name} "
+                   f"{'at start-up' if during_startup else f'after iter {targets[kill]}'} "
                    f"+{delay:.2f}s: exit {proc.returncode}, resumed from {resumed_from}, "
                    f"then checkpoint {latest_checkpoint(run)}")
         context = "\n".join(log)
@@ -224,7 +227,8 @@ def test_fault_injection_kills_then_resume_match_an_uninterrupted_run(setup_file
             assert proc.returncode in (143, 130, -signal.SIGTERM), f"{context}\n{err[-3000:]}"
         assert not (run / "model").exists(), f"the run finished before kill {kill}:\n{context}"
 
-    final = _cli(["train", "--resume", str(run)], tmp_path)
+    final = _cli(["train", "--resume", str(run)] if (run / "config.yaml").is_file()
+                 else ["train", *args, "--out", str(run)], tmp_path)
     _, err = final.communicate(timeout=400)
     context = "\n".join(log)
     assert final.returncode == 0, f"{context}\n{err[-3000:]}"
