@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from sleuth.errors import UserError
-from sleuth.records import FinishReason
+from sleuth.records import FinishReason, LoraAdapter
 from sleuth.rollout.base import (
     GenerationRequest,
     GenerationResult,
@@ -37,7 +37,7 @@ from sleuth.rollout.base import (
 )
 from sleuth.rollout.shared_prefix import SharedPrefixCache
 from sleuth.rollout.static_decode import DecodeGraph, StaticSharedCache
-from sleuth.train.attention import PACKED, register_packed_attention
+from sleuth.train.attention import PACKED, register_packed_attention, special_attention
 
 DEFAULT_MAX_ROWS = 64
 """Rows (samples) decoded together when rollout.max_concurrency is not set."""
@@ -85,13 +85,16 @@ class HFEngine(RolloutEngine):
         self.shared_prefix = _shared_prefix_ready(model)
         """Decode with each prompt's KV stored once (shared_prefix.py); else a repeated cache."""
         if decode in ("static", "cuda_graphs") and not self.shared_prefix:
-            raise UserError(f"rollout.hf_decode={decode} needs sdpa or sleuth_packed attention, the model has "
-                            f"{getattr(model.config, '_attn_implementation', None)}")
+            why = ", ".join(special_attention(model.config)) or (
+                f"attention {getattr(model.config, '_attn_implementation', None)}, not sdpa or sleuth_packed")
+            raise UserError(f"rollout.hf_decode={decode} needs shared-prompt decoding, which this model cannot use ({why})")
         self.decode = decode
         self._counter = itertools.count()
         self._pending: list[_Group] = []
         self._lock = threading.Lock()
         self._counts = {"samples": 0, "tokens": 0, "aborted": 0, "prefill_tokens": 0, "batches": 0}
+        self._lora_base: dict[str, torch.Tensor] = {}
+        """Base values of the weights an adapter changed (sync_lora restores them before applying)."""
 
     @classmethod
     def from_path(cls, model_path: str, dtype: str = "float32", **kwargs: Any) -> HFEngine:
@@ -133,10 +136,33 @@ class HFEngine(RolloutEngine):
         tensors = list(named_tensors)
         self._call(lambda: self._copy_weights(tensors), "weight sync (sync_weights)")
 
+    @property
+    def native_lora(self) -> bool:
+        """Adapters are applied here: base + scaling * B @ A written into the engine's own weights,
+        from copies of the adapted weights' base values (only those, not the whole model)."""
+        return True
+
+    def sync_lora(self, adapter: LoraAdapter | None) -> None:
+        self._call(lambda: self._apply_adapter(adapter), "LoRA sync (sync_lora)")
+
     def stats(self) -> dict[str, float]:
         return {k: float(v) for k, v in self._counts.items()} | {"preemptions": 0.0}
 
     # ------------------------------------------------------------------ worker side
+
+    @torch.no_grad()
+    def _apply_adapter(self, adapter: LoraAdapter | None) -> None:
+        params = dict(self.model.named_parameters())
+        deltas = adapter.deltas() if adapter is not None else {}
+        missing = sorted(set(deltas) - set(params))
+        if missing:
+            raise UserError(f"LoRA adapter targets {missing[0]}, which the model in {self.model_path} lacks")
+        for name in deltas:
+            if name not in self._lora_base:  # first time this weight is adapted: keep its base value
+                self._lora_base[name] = params[name].detach().clone()
+        for name, base in self._lora_base.items():
+            p = params[name]
+            p.copy_((base.float() + deltas[name].to(p.device)).to(p.dtype) if name in deltas else base)
 
     @torch.no_grad()
     def _copy_weights(self, tensors: list[tuple[str, Any]]) -> None:
@@ -151,6 +177,7 @@ class HFEngine(RolloutEngine):
                 raise UserError(f"sync_weights: {name} has shape {tuple(t.shape)}, the engine's {tuple(p.shape)}")
             if p.data_ptr() != t.data_ptr():  # the trainer's own tensor when the model is shared
                 p.copy_(t)
+        self._lora_base.clear()  # full weights are the new base of any later adapter
 
     def _take_batch(self) -> list[_Group]:
         with self._lock:
@@ -327,7 +354,11 @@ def _hits_stop(tokenizer: Any, tokens: list[int], stops: tuple[str, ...]) -> boo
 
 def _shared_prefix_ready(model: Any) -> bool:
     """Whether the model's attention is sleuth's registered one (which takes attention_override).
-    A model on plain "sdpa" is switched to it: without the override it is exactly sdpa."""
+    A model on plain "sdpa" is switched to it: without the override it is exactly sdpa. Sliding
+    windows and attention sinks are not in SharedPrefixCache.attend: those models decode with a
+    repeated cache (transformers' own cache layers and masks keep them exact)."""
+    if special_attention(model.config):
+        return False
     impl = getattr(model.config, "_attn_implementation", None)
     if impl == "sdpa" and hasattr(model, "set_attn_implementation"):
         register_packed_attention()
