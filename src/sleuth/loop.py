@@ -242,8 +242,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
                 # 6. Sync the updated weights into the rollout engine (adapter-only with LoRA where
                 #    the engine serves adapters, else full weights; sleuth.sync decides), after any
                 #    generation under way; then the curriculum moves on if this batch earned it.
-                metrics.update(queue.sync(run.sync, version=it) if batch.groups else
-                               {"time/sync_s": 0.0, "sync/bytes": 0.0, "sync/adapter": float(run.sync.mode == "adapter")})
+                metrics.update(queue.sync(run.sync, version=it, changed=bool(batch.groups)))
                 if curriculum.update(batch.reward_mean):
                     print(f"curriculum: reward {batch.reward_mean:.3f} -> difficulty {curriculum.level}",
                           file=out, flush=True)

