@@ -198,7 +198,7 @@ class Policy:
         kind = type(p).__name__
         if kind not in ("Params4bit", "Int8Params"):
             return p.detach()
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.model_cfg.dtype]
+        dtype = _torch_dtype(self.model_cfg.dtype)
         if kind == "Params4bit":
             from bitsandbytes.functional import dequantize_4bit
 
@@ -307,9 +307,16 @@ def quantization_config(name: str, dtype: str) -> Any:
     warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
     if name == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
-    compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    compute = _torch_dtype(dtype)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=compute)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    """model.dtype as a torch dtype ("auto" resolved for this machine)."""
+    from sleuth.hardware import resolve_dtype
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[resolve_dtype(name)]
 
 
 def _note_unadapted(model: Any) -> None:
