@@ -29,7 +29,7 @@ from sleuth.errors import UserError
 from sleuth.records import Group
 from sleuth.train.losses import AGGREGATIONS, aggregation_weights, get_loss, k3_kl, tis_weights
 from sleuth.train.optim import build_optimizer, measure_matmul_flops
-from sleuth.train.packing import PackedBatch, pack_groups
+from sleuth.train.packing import PackedBatch, loss_mask, pack_groups, prompt_of
 from sleuth.train.policy import Policy
 
 SELF_CHECK_TOL = {torch.float32: (1e-3, 1e-4), torch.bfloat16: (math.inf, 0.25)}
@@ -240,27 +240,30 @@ class Trainer:
     def self_check(self, groups: list[Group], batch: PackedBatch) -> dict[str, float]:
         """Compare packed and naive logprobs on a small slice; raise SelfCheckError on mismatch.
 
-        The slice is the first and last completion of the row holding the most completions, so
-        a kernel that keeps causality but ignores the packed mask is caught too.
+        The slice is the first and last sequence of the row with the deepest prefix tree (then the
+        most sequences), and the sequence with the longest path through it, so a kernel that keeps
+        causality but ignores the packed mask (or one branch of a tree) is caught too.
         """
         policy = self.policy
-        row = max(batch.rows, key=lambda r: len(r.placements))
+        row = max(batch.rows, key=lambda r: (max(pl.depth for pl in r.placements), len(r.placements)))
+        deepest = max(row.placements, key=lambda pl: pl.depth)
         was_training = policy.model.training
         policy.model.eval()
         try:
             packed, _ = policy.row_logprobs(row)
             diffs = []
-            chosen = {row.placements[0].seq: row.placements[0], row.placements[-1].seq: row.placements[-1]}
+            chosen = {pl.seq: pl for pl in (row.placements[0], deepest, row.placements[-1])}
             offsets = {}
             n = 0
             for pl in row.placements:
                 offsets[pl.seq] = n
-                n += pl.length
+                n += pl.n_targets
             for seq, pl in chosen.items():
                 group = groups[pl.group]
                 comp = group.completions[pl.completion]
-                naive = policy.naive_logprobs(group.prompt_ids, comp.completion_ids)
-                diffs.append((packed[offsets[seq] : offsets[seq] + pl.length] - naive).abs().float())
+                naive = policy.naive_logprobs(prompt_of(group, comp), comp.completion_ids)
+                sampled = torch.tensor(loss_mask(comp), dtype=torch.bool, device=naive.device)
+                diffs.append((packed[offsets[seq] : offsets[seq] + pl.n_targets] - naive[sampled]).abs().float())
         finally:
             policy.model.train(was_training)
         diff = torch.cat(diffs)
