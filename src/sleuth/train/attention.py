@@ -195,11 +195,11 @@ def dense_mask(scope_end: torch.Tensor) -> torch.Tensor:
 
 
 def flex_block_mask(scope_end: torch.Tensor) -> Any:
-    """A flex_attention BlockMask with the same rule as dense_mask (tensor on the CUDA device)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """A flex_attention BlockMask with the same rule as dense_mask (tensor on the CUDA device),
+    its block structure read from the row layout (block_mask.py) rather than searched for."""
+    from sleuth.train.block_mask import layout_block_mask
 
-    t = scope_end.numel()
-    return create_block_mask(packed_mask_mod(scope_end), B=None, H=None, Q_LEN=t, KV_LEN=t, device=scope_end.device)
+    return layout_block_mask(scope_end, packed_mask_mod(scope_end))
 
 
 def packed_mask_mod(scope_end: torch.Tensor) -> Any:
