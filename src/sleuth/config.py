@@ -161,6 +161,16 @@ class TaskConfig(Section):
     """Worker processes for verifiers in process isolation (more for slow verifiers like math)."""
     system_prompt: str | None = None
     """A system message put before every problem's prompt (None: the prompt is the only message)."""
+    rollout: str | None = None
+    """Episode tasks: the episode function "module:function" (or "path/file.py:function"),
+    `async def rollout(client, problem) -> float | {"reward": r, "metrics": {...}}`. None: a user
+    task module's own `rollout`, or the task's built-in one (math_python)."""
+    episode_timeout_s: float = Field(300.0, gt=0)
+    """An episode that runs longer scores 0 and is counted (rollout/episode_timeouts)."""
+    max_turns: int = Field(8, ge=1)
+    """Most model calls per episode; a call past it is refused with HTTP 400."""
+    episode_max_tokens: int | None = Field(None, ge=1)
+    """Most tokens the model may sample per episode (None: max_turns x rollout.max_tokens)."""
 
     @field_validator("name", "verifier")
     @classmethod
@@ -200,7 +210,8 @@ class RolloutConfig(Section):
     on CUDA, dynamic on the CPU (where it is the faster one)."""
     native_lora: bool = False
     """vLLM: serve the LoRA adapter with vLLM's own LoRA support (CPU and GPU) instead of syncing
-    merged full weights (the hf engine always merges)."""
+    merged full weights. The hf engine always applies the adapter itself; with LoRA on an engine that
+    serves adapters only the adapter moves each iteration (sleuth.sync)."""
 
 
 class AlgorithmConfig(Section):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from sleuth.errors import UserError
-from sleuth.records import FinishReason
+from sleuth.records import FinishReason, LoraAdapter
 from sleuth.rollout.base import (
     GenerationRequest,
     GenerationResult,
@@ -92,6 +92,8 @@ class HFEngine(RolloutEngine):
         self._pending: list[_Group] = []
         self._lock = threading.Lock()
         self._counts = {"samples": 0, "tokens": 0, "aborted": 0, "prefill_tokens": 0, "batches": 0}
+        self._lora_base: dict[str, torch.Tensor] = {}
+        """Base values of the weights an adapter changed (sync_lora restores them before applying)."""
 
     @classmethod
     def from_path(cls, model_path: str, dtype: str = "float32", **kwargs: Any) -> HFEngine:
@@ -133,10 +135,33 @@ class HFEngine(RolloutEngine):
         tensors = list(named_tensors)
         self._call(lambda: self._copy_weights(tensors), "weight sync (sync_weights)")
 
+    @property
+    def native_lora(self) -> bool:
+        """Adapters are applied here: base + scaling * B @ A written into the engine's own weights,
+        from copies of the adapted weights' base values (only those, not the whole model)."""
+        return True
+
+    def sync_lora(self, adapter: LoraAdapter | None) -> None:
+        self._call(lambda: self._apply_adapter(adapter), "LoRA sync (sync_lora)")
+
     def stats(self) -> dict[str, float]:
         return {k: float(v) for k, v in self._counts.items()} | {"preemptions": 0.0}
 
     # ------------------------------------------------------------------ worker side
+
+    @torch.no_grad()
+    def _apply_adapter(self, adapter: LoraAdapter | None) -> None:
+        params = dict(self.model.named_parameters())
+        deltas = adapter.deltas() if adapter is not None else {}
+        missing = sorted(set(deltas) - set(params))
+        if missing:
+            raise UserError(f"LoRA adapter targets {missing[0]}, which the model in {self.model_path} lacks")
+        for name in deltas:
+            if name not in self._lora_base:  # first time this weight is adapted: keep its base value
+                self._lora_base[name] = params[name].detach().clone()
+        for name, base in self._lora_base.items():
+            p = params[name]
+            p.copy_((base.float() + deltas[name].to(p.device)).to(p.dtype) if name in deltas else base)
 
     @torch.no_grad()
     def _copy_weights(self, tensors: list[tuple[str, Any]]) -> None:
@@ -151,6 +176,7 @@ class HFEngine(RolloutEngine):
                 raise UserError(f"sync_weights: {name} has shape {tuple(t.shape)}, the engine's {tuple(p.shape)}")
             if p.data_ptr() != t.data_ptr():  # the trainer's own tensor when the model is shared
                 p.copy_(t)
+        self._lora_base.clear()  # full weights are the new base of any later adapter
 
     def _take_batch(self) -> list[_Group]:
         with self._lock:

@@ -2,7 +2,7 @@
 
     policy = Policy.from_config(cfg.model, need_reference=cfg.algorithm.kl_beta > 0)
     logp, entropy = policy.row_logprobs(row)          # packed row -> per completion-token values
-    engine.sync_weights(policy.sync_state())          # full merged weights, base HF names
+    policy.sync_state()                                # full merged weights, base HF names (sleuth.sync)
     policy.save(dir); policy.load_weights(dir); policy.export_merged(dir)
 
 The reference policy for the KL term is the same model with the adapter disabled (LoRA, no second
