@@ -1,6 +1,7 @@
 """Agent benchmark part (1): a multi-turn batch trained with prefix-tree packing vs one sequence per call.
 
     .venv/bin/python bench/agent_packing.py [--modes lora] [--reps 2] [--model smollm2-135m-instruct]
+    (or as part 1 of bench/agent.py: `--parts 1,2,3`)
 
 One group of `--episodes` episodes (8) of `--turns` turns (4) with random token ids: a shared
 first prompt (150 tokens), then per turn a sampled reply (60 tokens, loss mask 1) followed, except
