@@ -60,6 +60,8 @@ class Run:
     start_iteration: int = 0
     state: dict[str, Any] = field(default_factory=dict)
     """Carried across checkpoints: val_before, the latest val_reward, data position."""
+    cluster: Any = None
+    """The Ray cluster the workers run on (cluster/runtime.py), None when the run is one process."""
 
 
 @dataclass
@@ -119,6 +121,11 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
+    cluster, placement = None, []
+    if cfg.cluster.uses_ray:  # first: a cluster that cannot hold the workers fails before any loading
+        from sleuth.cluster.runtime import start_cluster
+
+        cluster, placement = start_cluster(cfg.cluster)
     seed_everything(cfg.loop.seed, 0, cfg.loop.deterministic)
     task = build_task(cfg.task)
     eval_problems = list(task.eval_problems())[: cfg.task.eval_size] if cfg.loop.evaluate else []
@@ -136,12 +143,19 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     writer = MetricsWriter(run_dir, cfg.logging, config=cfg.model_dump(mode="json"))
     if resume:  # forget what was logged after the checkpoint (everything, when there is none)
         writer.truncate_after(start if latest is not None else -1)
-    engine = make_engine(cfg.rollout, str(resolve_model_path(cfg.model.path)), cfg.model.dtype, cfg.loop.seed)
+    model_path = str(resolve_model_path(cfg.model.path))
+    if cluster is not None:
+        from sleuth.cluster.rollout_pool import RolloutPool
+
+        engine: RolloutEngine = RolloutPool.from_config(cfg, placement, model_path)
+        print("\n".join(engine.placement_lines()), file=sys.stderr)
+    else:
+        engine = make_engine(cfg.rollout, model_path, cfg.model.dtype, cfg.loop.seed)
     if start > 0:  # the engine starts from the base weights; give it the trained ones
         engine.sync_weights(policy.sync_state())
     verifier = VerifierRunner.from_config(task, cfg.task)
     return Run(cfg, run_dir, task, policy, trainer, engine, writer, checkpoints, verifier, eval_problems,
-               start, state)
+               start, state, cluster)
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.stdout,
@@ -207,6 +221,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
                 if train_groups:
                     run.engine.sync_weights(run.policy.sync_state())
                 metrics["time_sync_s"] = time.perf_counter() - t
+                if run.cluster is not None:  # restarted rollout workers so far (each re-synced)
+                    metrics["rollout/worker_restarts"] = run.engine.stats().get("worker_restarts", 0.0)
 
                 # 7. Evaluate on the held-out set on schedule and after the last iteration.
                 val = None
@@ -236,6 +252,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
         run.writer.close()
         run.verifier.close()
         run.engine.close()
+        if run.cluster is not None:
+            run.cluster.shutdown()
     before, after = run.state.get("val_before"), run.state.get("val_last")
     if not interrupted and before and after and done == L.iterations:
         print(f"held-out reward after training:  {_val_text_dict(after)}", file=out)

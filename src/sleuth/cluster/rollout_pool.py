@@ -28,9 +28,9 @@ import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
-from sleuth.cluster.runtime import ClusterError, WorkerSpec
+from sleuth.cluster.runtime import Assignment, ClusterError, WorkerSpec
 from sleuth.cluster.transport import Bucket, pack_buckets, unpack
-from sleuth.config import ClusterConfig, RolloutConfig
+from sleuth.config import ClusterConfig, Config, RolloutConfig
 from sleuth.rollout.base import GenerationRequest, GenerationResult, LoraAdapter, RolloutEngine
 
 MAX_RESTARTS = 4
@@ -143,6 +143,11 @@ class RolloutPool(RolloutEngine):
         started = self._get([w.start.remote() for w in self.workers], rollout_cfg.timeout_s,
                             "starting the rollout workers' engines (rollout.timeout_s)")
         self.context_len = int(started[0]["context_len"])
+
+    @classmethod
+    def from_config(cls, cfg: Config, placement: Sequence[Assignment], model_path: str) -> RolloutPool:
+        specs = [a.spec for a in placement if a.spec.kind == "rollout"]
+        return cls(cfg.rollout, cfg.cluster, model_path, cfg.model.dtype, cfg.loop.seed, specs)
 
     # ------------------------------------------------------------------ generation
 
@@ -324,6 +329,10 @@ class RolloutPool(RolloutEngine):
     def worker_pids(self) -> list[int]:
         return list(self._pids)
 
+    def placement_lines(self) -> list[str]:
+        return [f"rollout worker {i}: pid {p['pid']} on {p['ip']}" + (f", GPUs {p['gpus']}" if p["gpus"] else "")
+                for i, p in enumerate(self.placement)]
+
     def close(self) -> None:
         import ray
 
@@ -352,9 +361,4 @@ def _position(requests: Sequence[GenerationRequest], request: GenerationRequest,
         if k not in taken and r == request:
             return k
     raise RolloutWorkerError(f"a worker returned a result for an unknown request {request.request_id!r}")
-
-
-def placement_lines(pool: RolloutPool) -> list[str]:
-    return [f"rollout worker {i}: pid {p['pid']} on {p['ip']}" + (f" GPUs {p['gpus']}" if p["gpus"] else "")
-            for i, p in enumerate(pool.placement)]
 

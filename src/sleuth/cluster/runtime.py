@@ -82,6 +82,16 @@ class Cluster:
 # ---------------------------------------------------------------- connecting
 
 
+def start_cluster(cfg: ClusterConfig) -> tuple[Cluster, list[Assignment]]:
+    """Connect (or start) and check that the configured workers fit; the cluster and the plan."""
+    cluster = connect(cfg)
+    try:
+        return cluster, place(worker_specs(cfg, cluster.nodes), cluster.nodes)
+    except BaseException:
+        cluster.shutdown()
+        raise
+
+
 def probe(address: str, timeout_s: float) -> None:
     """Fail fast on a HOST:PORT nothing answers on: ray.init would retry for minutes."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
