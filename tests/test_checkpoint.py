@@ -73,7 +73,7 @@ def test_failed_save_leaves_previous_intact(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=3)
     mgr.save(1, policy, opt, {})
     before = (tmp_path / "iter-000001" / "policy" / "weights.safetensors").read_bytes()
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(UserError, match="disk full"):
         mgr.save(2, LinearPolicy(seed=5, fail_on_save=True), opt, {})
     assert [c.iteration for c in mgr.list()] == [1]
     assert (tmp_path / "iter-000001" / "policy" / "weights.safetensors").read_bytes() == before
@@ -87,7 +87,7 @@ def test_killed_save_leftovers_are_ignored_and_cleaned(tmp_path):
     mgr.save(1, policy, opt, {})
     # What SIGKILL in the middle of a save leaves: a temp folder with part of a checkpoint, and a
     # folder with a valid name but no state.json would be equally ignored.
-    partial = tmp_path / ".tmp-iter-000002-abc"
+    partial = tmp_path / ".tmp-iter-000002-pid999999999-abc"
     (partial / "policy").mkdir(parents=True)
     (partial / "state.json").write_text("{}")
     (tmp_path / "iter-000003").mkdir()
@@ -120,5 +120,5 @@ def test_retention_keeps_last_and_best(tmp_path):
 def test_empty_directory(tmp_path):
     mgr = CheckpointManager(tmp_path / "none")
     assert mgr.latest() is None and mgr.best() is None
-    with pytest.raises(UserError, match="no checkpoint 'latest'"):
+    with pytest.raises(UserError, match="no valid checkpoint"):
         mgr.find("latest")

@@ -3,19 +3,66 @@
     cfg = load_config("cfg.yaml", ["trainer.lr=1e-5", "rollout.engine=hf"])
 
 Every field has its default and its documentation right here, next to it. An unknown or
-mistyped key raises ConfigError naming the key and the nearest valid one.
+mistyped key raises ConfigError naming the key and the nearest valid one. Names that pick from a
+registry (task, rollout engine, advantage, loss, aggregation) are checked here too, with the nearest
+valid names in the error; user code named as "module:function" is imported and checked (callable,
+right number of arguments) here, so a typo fails before any model loads.
 """
 
 from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from sleuth.errors import ConfigError
+
+
+def _checked(key: str, check: Any, value: str) -> str:
+    """Run a registry check (it raises ConfigError) and put the config key in front of its message.
+
+    ConfigError is not a ValueError, so pydantic lets it through unchanged: constructing a
+    section directly (TaskConfig(name=...)) raises the same one-line error as load_config.
+    """
+    try:
+        check(value)
+    except ConfigError as e:
+        raise ConfigError(f"config key '{key}': {e}") from None
+    return value
+
+
+def _check_task(name: str) -> None:
+    from sleuth.plugins import is_spec, load_function, unknown_name
+    from sleuth.tasks.registry import TASKS
+
+    if is_spec(name.strip()):
+        load_function(name.strip(), 1, "user task", "problems(cfg: TaskConfig) -> iterable of dicts or a Task")
+    elif name.strip() not in TASKS:
+        raise ConfigError(unknown_name("task", name, TASKS))
+
+
+def _check_verifier(spec: str) -> None:
+    from sleuth.plugins import load_function
+
+    load_function(spec, 2, "verifier", "verify(answer, completion_text) -> float")
+
+
+def _check_advantage(name: str) -> None:
+    from sleuth.train.advantages import ESTIMATORS
+
+    ESTIMATORS.resolve(name)
+
+
+def _check_loss(name: str) -> None:
+    from sleuth.train.losses import LOSSES
+
+    LOSSES.resolve(name)
+
+
+_check_algorithm = {"advantage": _check_advantage, "loss": _check_loss}
 
 
 class Section(BaseModel):
@@ -63,7 +110,7 @@ class TaskConfig(Section):
     """A data file of held-out problems. None: a fixed generated set (temporal_clue) or train_path."""
     eval_size: int = Field(16, ge=1)
     """How many held-out problems to evaluate on (the first N, fixed across the run)."""
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     """Seed of the training stream: generated puzzle i uses a seed derived from this and i; problems
     from a file are visited in epoch-wise permutations seeded by it."""
     dataset: str | None = None
@@ -84,6 +131,12 @@ class TaskConfig(Section):
     system_prompt: str | None = None
     """A system message put before every problem's prompt (None: the prompt is the only message)."""
 
+    @field_validator("name", "verifier")
+    @classmethod
+    def _loadable(cls, v: str | None, info: ValidationInfo) -> str | None:
+        check = _check_task if info.field_name == "name" else _check_verifier
+        return v if v is None else _checked(f"task.{info.field_name}", check, v)
+
 
 class RolloutConfig(Section):
     engine: Literal["auto", "vllm", "hf"] = "auto"
@@ -96,7 +149,7 @@ class RolloutConfig(Section):
     """Maximum new tokens per completion."""
     stop: list[str] = Field(default_factory=list)
     """Extra stop strings (EOS always stops)."""
-    max_concurrency: int | None = None
+    max_concurrency: int | None = Field(None, ge=1)
     """Most sequences in flight at once; None: vLLM admits samples while their expected KV blocks
     fit its cache (no preemption), the hf engine decodes 64 rows at a time."""
     early_stop_logprob: float | None = Field(None, lt=0)
@@ -117,10 +170,12 @@ class RolloutConfig(Section):
 
 class AlgorithmConfig(Section):
     advantage: str = "grpo"
-    """Advantage estimator: grpo, dr_grpo or rloo."""
+    """Advantage estimator: grpo, dr_grpo, rloo, a name registered with @register_advantage, or a
+    user function "module:function" / "path/file.py:function" called as fn(rewards) -> advantages."""
     loss: str = "ppo_clip"
-    """Policy loss: ppo_clip (token-level ratio) or gspo (sequence-level ratio)."""
-    clip_low: float = Field(0.2, ge=0)
+    """Policy loss: ppo_clip (token-level ratio), gspo (sequence-level ratio), a name registered with
+    @register_loss, or a user "module:function" with the built-ins' signature (see train/losses.py)."""
+    clip_low: float = Field(0.2, ge=0, lt=1)
     """Lower clip: ratio >= 1 - clip_low."""
     clip_high: float = Field(0.28, ge=0)
     """Upper clip: ratio <= 1 + clip_high (DAPO clip-higher)."""
@@ -129,11 +184,16 @@ class AlgorithmConfig(Section):
     aggregation: Literal["token_mean", "seq_mean_token_mean", "constant"] = "token_mean"
     """How token losses become one number: mean over all tokens of the batch, mean over sequences of
     per-sequence token means, or Dr.GRPO's sum divided by a constant (max_tokens x sequences)."""
-    tis_cap: float | None = 2.0
+    tis_cap: float | None = Field(2.0, gt=0)
     """Truncated importance sampling cap C: weight tokens by min(exp(logp_old - logp_engine), C),
     where logp_old is the trainer's own logprob before the update. None disables it."""
     drop_zero_advantage: bool = True
     """Drop groups whose advantages are all zero before packing (they carry no gradient)."""
+
+    @field_validator("advantage", "loss")
+    @classmethod
+    def _known(cls, v: str, info: ValidationInfo) -> str:
+        return _checked(f"algorithm.{info.field_name}", _check_algorithm[info.field_name], v)
 
 
 class TrainerConfig(Section):
@@ -145,7 +205,7 @@ class TrainerConfig(Section):
     """Optimizer steps of linear warm-up (warmup and cosine schedules)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW decoupled weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
     """AdamW (beta1, beta2)."""
     grad_clip: float = Field(1.0, gt=0)
     """Clip the global gradient norm to this."""
@@ -171,7 +231,7 @@ class LoopConfig(Section):
     """Write a checkpoint every N iterations (0: only at the end)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Keep the last N checkpoints (the best by validation reward is kept too)."""
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     """Seed of everything random in the run (sampling, init, data order)."""
     deterministic: bool = False
     """Deterministic torch algorithms and seeded sampling, so a resumed run matches exactly."""
@@ -181,7 +241,7 @@ class EvalConfig(Section):
     k: int = Field(4, ge=1)
     """Samples per held-out problem (avg@k, pass@k, maj@k)."""
     temperature: float = Field(1.0, ge=0)
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
     """Max new tokens at evaluation; None: rollout.max_tokens."""
     price_per_million_tokens: float = Field(0.0, ge=0)
     """For the estimated cost per problem in `sleuth eval`."""
@@ -308,6 +368,11 @@ def _raise_from(err: ValidationError) -> None:
         raise ConfigError(f"unknown config key '{key}'{hint}") from None
     got = first.get("input")
     got_text = f", got {got!r}" if not isinstance(got, dict) else ""
+    if first["type"] == "literal_error" and isinstance(got, str):  # a fixed set of names: suggest one
+        from sleuth.plugins import unknown_name
+
+        choices = [c.strip(" '") for c in first["ctx"]["expected"].replace(" or ", ", ").split(",")]
+        raise ConfigError(f"config key '{key}': {unknown_name('value', got, choices, spec_ok=False)}") from None
     raise ConfigError(f"config key '{key}': {first['msg']}{got_text}") from None
 
 

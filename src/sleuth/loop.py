@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,6 +23,7 @@ from typing import Any, TextIO
 import numpy as np
 import torch
 
+from sleuth import fsio
 from sleuth.checkpoint import CheckpointManager
 from sleuth.config import Config, dump_config
 from sleuth.evaluate import EvalResult, eval_sampling, evaluate, mean_se, to_groups
@@ -71,6 +70,8 @@ class RunResult:
     interrupted: bool
     val_before: dict[str, Any] | None
     val_after: dict[str, Any] | None
+    stop_signal: int = 0
+    """The signal that stopped an interrupted run (SIGINT or SIGTERM)."""
 
 
 def seed_everything(seed: int, iteration: int, deterministic: bool) -> None:
@@ -87,30 +88,40 @@ def request_seed(seed: int, iteration: int, index: int) -> int:
     return ((seed * 1_000_003 + iteration) * 4096 + index) % (2**31)
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""Ctrl-C, and what schedulers and `docker stop` send: both checkpoint, then stop."""
+
+
 class InterruptFlag:
-    """SIGINT sets a flag the loop checks between steps; a second SIGINT interrupts at once."""
+    """SIGINT or SIGTERM sets a flag the loop checks between steps (it then checkpoints and stops);
+    a second one interrupts at once."""
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous: Any = None
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> InterruptFlag:
-        try:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread: leave signals alone
-            self._previous = None
+        for sig in STOP_SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                break
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("sleuth: interrupt received, saving a checkpoint after this step "
-              "(press Ctrl-C again to stop at once)", file=sys.stderr)
+        name = signal.Signals(signum).name
+        self.signum = signum
+        print(f"sleuth: {name} received, saving a checkpoint after this step "
+              "(send it again to stop at once)", file=sys.stderr)
 
     def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
 
 
 def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
@@ -119,8 +130,6 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     from sleuth.tasks.registry import build_task
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
     cluster, placement = None, []
     if cfg.cluster.uses_ray:  # first: a cluster that cannot hold the workers fails before any loading
         from sleuth.cluster.runtime import start_cluster
@@ -134,12 +143,15 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
                       max_tokens=cfg.rollout.max_tokens)
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.loop.keep_checkpoints)
     start, state = 0, {}
-    latest = checkpoints.latest() if resume else None
+    latest = checkpoints.restore_latest(policy, trainer) if resume else None
     if latest is not None:
-        state = checkpoints.restore(latest, policy, trainer)
+        state = latest.state
         start = int(state["iteration"])
         if (latest.path / "metrics.jsonl").exists():  # the metrics as they were at that checkpoint
-            (run_dir / "metrics.jsonl").write_bytes((latest.path / "metrics.jsonl").read_bytes())
+            fsio.write_bytes(run_dir / "metrics.jsonl", (latest.path / "metrics.jsonl").read_bytes())
+    # Written only now that the run has started (config valid, model and checkpoint loaded), so a
+    # failed start, e.g. a --resume with a bad override, never rewrites the run's config.
+    fsio.write_text(run_dir / "config.yaml", dump_config(cfg))
     writer = MetricsWriter(run_dir, cfg.logging, config=cfg.model_dump(mode="json"))
     if resume:  # forget what was logged after the checkpoint (everything, when there is none)
         writer.truncate_after(start if latest is not None else -1)
@@ -167,7 +179,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
     sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                               max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
     done = run.start_iteration
-    interrupted = False
+    interrupted, stop_signal = False, 0
     try:
         with InterruptFlag() as interrupt, progress:
             if run.start_iteration == 0 and run.eval_problems:
@@ -242,7 +254,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
                     _checkpoint(run, it, val)
                 if interrupt.requested:
                     break
-            interrupted = interrupt.requested
+            interrupted, stop_signal = interrupt.requested, interrupt.signum
             latest = run.checkpoints.latest()
             if interrupted and (latest is None or latest.iteration < done):  # stopped mid-iteration
                 _checkpoint(run, done, None)
@@ -258,7 +270,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
     if not interrupted and before and after and done == L.iterations:
         print(f"held-out reward after training:  {_val_text_dict(after)}", file=out)
         print(_gain_text(before, after), file=out, flush=True)
-    return RunResult(run_dir, done, interrupted, before, after if done == L.iterations else None)
+    return RunResult(run_dir, done, interrupted, before, after if done == L.iterations else None,
+                     stop_signal if interrupted else 0)
 
 
 # ---------------------------------------------------------------- the steps' details
@@ -367,15 +380,8 @@ def _checkpoint(run: Run, iteration: int, val: EvalResult | None) -> None:
 
 def _export_final(run: Run) -> None:
     """RUN_DIR/model: the trained weights merged into a plain HF folder (what `--model RUN_DIR` loads)."""
-    final = run.run_dir / "model"
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-model-", dir=run.run_dir))
-    try:
+    with fsio.atomic_folder(run.run_dir / "model") as tmp:
         run.policy.export_merged(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.replace(final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- printing

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from sleuth import fsio
 from sleuth.errors import UserError
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
@@ -52,14 +51,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     # transformers 5 also keeps the GGUF quantizer on the model and refuses to save while it is set.
     model.hf_quantizer = None
     model.config.name_or_path = SMOLLM2_ALIAS
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
+    with fsio.atomic_folder(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_model_path(path_or_alias: str) -> Path:

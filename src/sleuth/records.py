@@ -63,11 +63,22 @@ class Completion:
     reward: float = 0.0
     reward_info: dict[str, float] = field(default_factory=dict)
     """Named reward terms and flags (e.g. {"verifier_error": 1.0}), logged separately."""
+    loss_mask: list[int] | None = None
+    """Multi-turn episodes: same length as completion_ids; 1 for tokens the model sampled, 0 for
+    tokens the environment or chat template inserted (tool results, user turns, template tokens
+    between turns), which carry no loss and no gradient. `logprobs` holds the engine logprob of
+    sampled tokens and 0.0 for masked ones. None means every completion token was sampled.
+    `prompt_ids` may differ between completions of one group (a call that does not extend the
+    episode's previous call starts a new sequence with its own prompt); packing shares the longest
+    common token prefixes of the full sequences (prompt_ids + completion_ids)."""
 
 
 @dataclass
 class Group:
-    """n completions of one prompt: the unit of group-relative advantages and of prompt sharing."""
+    """n completions of one prompt: the unit of group-relative advantages and of prompt sharing.
+
+    For episode tasks, `prompt_ids` is the episodes' first prompt; each completion carries its own
+    full prompt (see Completion.prompt_ids)."""
 
     problem: Problem
     prompt_ids: list[int]

@@ -21,65 +21,17 @@ A module that is not importable from sys.path is also looked up in the current d
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
-import os
-import sys
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 from sleuth.config import TaskConfig
 from sleuth.errors import ConfigError, DataError
+from sleuth.plugins import import_module, load_object
 from sleuth.records import Message, Problem
 from sleuth.tasks.base import Task
 from sleuth.tasks.order import stream_index
 
 Verifier = Callable[[Any, str], float]
-
-
-def _import_module(name: str) -> Any:
-    if name.endswith(".py"):
-        path = Path(name).expanduser().resolve()
-        if not path.is_file():
-            raise ConfigError(f"user task file {name} does not exist")
-        # One module per file (two files may share a name): the name carries a hash of the path.
-        module_name = f"sleuth_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
-        if module_name in sys.modules:
-            return sys.modules[module_name]
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        if spec is None or spec.loader is None:
-            raise ConfigError(f"cannot load user task file {name}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-        return module
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        # The `sleuth` console script does not put the current directory on sys.path; a user
-        # running from their project root expects `examples.my_task` to be found there.
-        cwd = os.getcwd()
-        if e.name is None or not name.startswith(e.name) or cwd in sys.path:
-            raise ConfigError(f"cannot import user task module '{name}': {e}") from None
-        sys.path.append(cwd)
-        try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError as e2:
-            raise ConfigError(f"cannot import user task module '{name}': {e2}") from None
-
-
-def load_object(spec: str) -> Any:
-    """The object named by "package.module:attr" or "path/file.py:attr"."""
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"'{spec}' is not of the form module:function")
-    module = _import_module(module_name)
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ConfigError(f"user task module '{module_name}' has no '{attr}'") from None
 
 
 def _default_verifier_spec(task_spec: str) -> str:
@@ -167,7 +119,7 @@ def build(cfg: TaskConfig) -> Task:
     if isinstance(result, dict | str | bytes) or not isinstance(result, Iterable):
         raise ConfigError(f"user task '{cfg.name}' must return a Task or an iterable of problem dicts")
     verifier_spec = cfg.verifier or _default_verifier_spec(cfg.name)
-    if cfg.verifier is None and not hasattr(_import_module(cfg.name.rpartition(":")[0]), "verify"):
+    if cfg.verifier is None and not hasattr(import_module(cfg.name.rpartition(":")[0], "user task"), "verify"):
         raise ConfigError(
             f"user task '{cfg.name}' needs a verifier: define verify(answer, text) in its module "
             "or set task.verifier=module:function"
