@@ -114,7 +114,8 @@ def connect(cfg: ClusterConfig) -> Cluster:
     common: dict[str, Any] = dict(logging_level="warning", log_to_driver=False, include_dashboard=False)
     if cfg.address is None:
         store = None if cfg.object_store_gb is None else int(cfg.object_store_gb * GiB)
-        ray.init(num_cpus=os.cpu_count(), object_store_memory=store, **common)
+        # "local": a new cluster even when `ray start` made one on this machine (e.g. another user's)
+        ray.init(address="local", num_cpus=os.cpu_count(), object_store_memory=store, **common)
         return Cluster(address="local", started_here=True, nodes=alive_nodes())
     if cfg.address != "auto":
         probe(cfg.address, cfg.connect_timeout_s)

@@ -20,6 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
+ALIGN = 64
+"""Byte alignment of each tensor in a bucket (a view as int64/float64 needs at least 8)."""
+
 DEFAULT_BUCKET_MB = 256
 """Bucket size: large enough that per-object overhead vanishes, small enough to pipeline."""
 
@@ -27,7 +30,7 @@ DEFAULT_BUCKET_MB = 256
 @dataclass
 class Bucket:
     data: np.ndarray
-    """All tensors' bytes back to back (uint8)."""
+    """All tensors' bytes back to back (uint8), each starting at a multiple of ALIGN."""
     entries: list[tuple[str, str, tuple[int, ...], int, int]]
     """(name, torch dtype name, shape, byte offset, byte length) per tensor."""
 
@@ -56,15 +59,15 @@ def pack_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float = DE
 
 
 def _bucket(parts: list[tuple[str, torch.Tensor]]) -> Bucket:
-    total = sum(t.numel() * t.element_size() for _, t in parts)
-    data = np.empty(total, dtype=np.uint8)
-    flat = torch.from_numpy(data)
     entries, offset = [], 0
     for name, t in parts:
         n = t.numel() * t.element_size()
-        flat[offset:offset + n].copy_(t.reshape(-1).view(torch.uint8))
         entries.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, n))
-        offset += n
+        offset += -(-n // ALIGN) * ALIGN  # each tensor starts aligned, so it can be viewed in place
+    data = np.empty(offset, dtype=np.uint8)
+    flat = torch.from_numpy(data)
+    for (_, t), (_, _, _, start, n) in zip(parts, entries):
+        flat[start:start + n].copy_(t.reshape(-1).view(torch.uint8))
     return Bucket(data, entries)
 
 
