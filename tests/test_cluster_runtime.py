@@ -26,7 +26,7 @@ def test_one_process_default_needs_no_ray():
 def test_address_must_be_auto_or_host_port():
     assert load_config(None, ["cluster.address=10.1.2.3:6379"]).cluster.address == "10.1.2.3:6379"
     for bad in ("somewhere", "host:", "host:70000", ":6379"):
-        with pytest.raises(ConfigError, match="cluster.address"):
+        with pytest.raises(ConfigError, match=r"cluster\.address"):
             load_config(None, [f"cluster.address={bad}"])
 
 

@@ -22,6 +22,7 @@ the worker's unfinished groups, counting `worker_restarts`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -336,10 +337,8 @@ class RolloutPool(RolloutEngine):
     def close(self) -> None:
         import ray
 
-        try:
+        with contextlib.suppress(ray.exceptions.RayError):  # a dead worker has nothing left to close
             ray.get([w.close.remote() for w in self.workers], timeout=60)
-        except ray.exceptions.RayError:
-            pass  # a dead worker has nothing left to close
         for w in self.workers:
             ray.kill(w, no_restart=True)
         super().close()
