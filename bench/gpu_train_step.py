@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--shapes", default="clue,aime")
-    ap.add_argument("--modes", default="lora,full")
+    ap.add_argument("--modes", default="lora,lora_base,full")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, default=8, help="naive layout: sequences per forward")
     ap.add_argument("--row-tokens", type=int, default=16384)
@@ -62,7 +62,10 @@ def main() -> None:
                 if p.dim() > 1:
                     p.normal_(0.0, 0.02)
         model.set_attn_implementation(backend_for(dev))
-        cfg = ModelConfig(path="<random-init>", dtype=str(dtype).removeprefix("torch."), lora=LoraConfig(enabled=mode == "lora"))
+        # lora_base: adapters in the base's dtype (model.lora.dtype=base), no per-layer input casts.
+        cfg = ModelConfig(path="<random-init>", dtype=str(dtype).removeprefix("torch."),
+                          lora=LoraConfig(enabled=mode.startswith("lora"),
+                                          dtype="base" if mode == "lora_base" else "float32"))
         policy = Policy(model, build_tokenizer(), cfg, need_reference=False, device=dev)
         n_params = sum(p.numel() for p in model.parameters())
         body, head = policy.matmul_parameters()
@@ -90,7 +93,7 @@ def main() -> None:
             mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0
             print(f"| {mode} | {shape} | naive | {naive_tokens} | {t_naive:.3f} | {naive_tokens / t_naive:.0f} | "
                   f"{mfu_naive:.3f} | - | {mem:.1f} |", flush=True)
-            key = shape if mode == "lora" else f"{shape}_full"
+            key = shape if mode == "lora" else f"{shape}_{mode}"
             heads[f"{key}_speedup"] = t_naive / t_packed
             heads[f"{key}_mfu"] = best["mfu"]
             heads[f"{key}_selfcheck_mean"] = check["self_check_mean_diff"]

@@ -205,12 +205,16 @@ def test_resume_refuses_a_planted_pickle_and_runs_nothing(trained_run, tmp_path,
     assert read_tree(run) == before
 
 
-def test_resume_announces_user_code_from_the_config(trained_run, tmp_path, capsys):
-    from sleuth.cli.train import announce_user_code, run_config
-
+def test_resume_announces_user_code_before_importing_it(trained_run, tmp_path, capsys):
+    """A run directory's config names code; --resume says which before anything imports it."""
     run = copy_run(trained_run, tmp_path / "run")
-    announce_user_code(run_config(run), run / "config.yaml")
-    err = capsys.readouterr().err.strip()
-    task_file = str(trained_run.parent / "lowercase_task.py")
-    assert err.startswith(f"sleuth: note: {run / 'config.yaml'} names code that this run imports")
-    assert f"task.name={task_file}:problems ({task_file})" in err
+    marker = tmp_path / "imported"
+    planted = tmp_path / "planted.py"
+    planted.write_text(f"open({str(marker)!r}, 'w').write('ran')\ndef problems(cfg):\n    return []\n")
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace(str(trained_run.parent / "lowercase_task.py"), str(planted)))
+    main(["train", "--resume", str(run), "loop.iterations=0"])  # invalid: stops after the config loads
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (f"sleuth: note: {config} names code that this run imports and runs: "
+                      f"task.name={planted}:problems ({planted})")
+    assert marker.exists()  # validating the config imports it: hence the note before

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -66,9 +66,33 @@ _check_algorithm = {"advantage": _check_advantage, "loss": _check_loss}
 
 
 class Section(BaseModel):
-    """Base for every config section: unknown keys are errors, assignments are validated."""
+    """Base for every config section: unknown keys are errors, assignments are validated, numbers
+    are finite (no .inf / .nan) and a boolean is never taken for a number (iterations=true is not 1)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        items = value if isinstance(value, list | tuple) else [value]
+        if field is not None and any(isinstance(v, bool) for v in items) and _is_numeric(field.annotation):
+            raise ValueError("expected a number, not a boolean")
+        return value
+
+
+def _is_numeric(annotation: Any) -> bool:
+    """Whether a field holds numbers: int, float, an optional one, or a tuple of them."""
+    if annotation in (int, float):
+        return True
+    if get_origin(annotation) is Annotated:
+        return _is_numeric(get_args(annotation)[0])
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    return bool(args) and get_origin(annotation) is not Literal and all(_is_numeric(a) for a in args)
+
+
+Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 class LoraConfig(Section):
@@ -82,6 +106,10 @@ class LoraConfig(Section):
     """Dropout on the LoRA input."""
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """Module names to adapt, or "all-linear" for every linear layer except the output head."""
+    dtype: Literal["float32", "base"] = "float32"
+    """Adapter weights in float32 (PEFT's default: exact small updates, but on a bf16 base every
+    adapted layer casts its input, thousands of extra kernels per GPU step) or in the base model's
+    dtype (no casts; AdamW then updates bf16 weights, which rounds updates below ~1/256 of a weight)."""
 
 
 class ModelConfig(Section):
@@ -125,7 +153,10 @@ class TaskConfig(Section):
     verifier_isolation: Literal["process", "inline"] = "process"
     """process: run verifiers in a worker process that is killed and restarted when a call
     exceeds verifier_timeout_s (enforces the limit even on C-level hangs); inline: run them in the
-    calling process, limited by a SIGALRM timer (main thread only; cannot stop C code)."""
+    calling process, limited by a SIGALRM timer (main thread only; cannot stop C code). Inline, a
+    verifier's sys.exit is caught and scored 0 and its KeyboardInterrupt stops the run as Ctrl-C does
+    (checkpoint first), but nothing protects the run from os._exit or a crash of the interpreter:
+    use process isolation for verifiers you do not trust."""
     verifier_workers: int = Field(1, ge=1)
     """Worker processes for verifiers in process isolation (more for slow verifiers like math)."""
     system_prompt: str | None = None
@@ -163,9 +194,14 @@ class RolloutConfig(Section):
     """vLLM on CPU: KV cache size in GiB."""
     max_model_len: int | None = Field(None, ge=2)
     """Context length (prompt + completion) of the engine; None: the model's own."""
+    hf_decode: Literal["auto", "dynamic", "static", "cuda_graphs"] = "auto"
+    """hf engine decode steps: dynamic (growing cache), static (fixed shapes, device-side step
+    counter), cuda_graphs (static steps captured as CUDA graphs; static off CUDA); auto: cuda_graphs
+    on CUDA, dynamic on the CPU (where it is the faster one)."""
     native_lora: bool = False
     """vLLM: serve the LoRA adapter with vLLM's own LoRA support (CPU and GPU) instead of syncing
-    merged full weights (the hf engine always merges)."""
+    merged full weights. The hf engine always applies the adapter itself; with LoRA on an engine that
+    serves adapters only the adapter moves each iteration (sleuth.sync)."""
 
 
 class AlgorithmConfig(Section):
@@ -205,8 +241,8 @@ class TrainerConfig(Section):
     """Optimizer steps of linear warm-up (warmup and cosine schedules)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW decoupled weight decay."""
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
-    """AdamW (beta1, beta2)."""
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    """AdamW (beta1, beta2), each in [0, 1)."""
     grad_clip: float = Field(1.0, gt=0)
     """Clip the global gradient norm to this."""
     row_tokens: int = Field(4096, ge=16)
@@ -341,6 +377,26 @@ def _nearest(key: str) -> str:
     return match[0] if match else ""
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _value in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise DuplicateKeyError(f"line {key_node.start_mark.line + 1}: key '{key}' is given twice")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
+
+
 def _parse_value(text: str) -> Any:
     try:
         return yaml.safe_load(text)
@@ -373,7 +429,8 @@ def _raise_from(err: ValidationError) -> None:
 
         choices = [c.strip(" '") for c in first["ctx"]["expected"].replace(" or ", ", ").split(",")]
         raise ConfigError(f"config key '{key}': {unknown_name('value', got, choices, spec_ok=False)}") from None
-    raise ConfigError(f"config key '{key}': {first['msg']}{got_text}") from None
+    message = first["msg"].removeprefix("Value error, ")
+    raise ConfigError(f"config key '{key}': {message}{got_text}") from None
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
@@ -390,11 +447,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if path is not None:
         p = Path(path)
         try:
-            text = p.read_text()
+            text = p.read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {p} is not a text file (not UTF-8)") from None
+        if "\x00" in text:
+            raise ConfigError(f"config file {p} is not a text file (it holds NUL bytes)")
         try:
-            loaded = yaml.safe_load(text)
+            loaded = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
+        except DuplicateKeyError as e:
+            raise ConfigError(f"config file {p}: {e}") from None
         except yaml.YAMLError as e:
             where = getattr(e, "problem_mark", None)
             line = f" line {where.line + 1}" if where is not None else ""

@@ -32,6 +32,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO, Any
 
 from sleuth.errors import UserError
 
@@ -92,8 +93,10 @@ def fsync_tree(root: Path) -> None:
         _fsync_path(Path(dirpath))
 
 
-def write_bytes(path: str | Path, data: bytes) -> Path:
-    """Replace the file at `path` with `data` atomically (temp sibling, fsync, os.replace)."""
+@contextlib.contextmanager
+def atomic_file(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """Yield a file object for a temporary sibling of `path`; when the block ends without an
+    exception the file is flushed and replaces `path` in one os.replace (else it is deleted)."""
     target = Path(path)
     if target.is_dir():
         raise UserError(f"cannot write {target}: it is a folder, not a file")
@@ -101,8 +104,8 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{target.name}-pid{os.getpid()}-", dir=target.parent)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -113,7 +116,13 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-    return target
+
+
+def write_bytes(path: str | Path, data: bytes) -> Path:
+    """Replace the file at `path` with `data` atomically (temp sibling, fsync, os.replace)."""
+    with atomic_file(path, "wb") as f:
+        f.write(data)
+    return Path(path)
 
 
 def write_text(path: str | Path, text: str) -> Path:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from sleuth.errors import ConfigError
+from sleuth.errors import ConfigError, user_code_error
 
 
 def is_spec(name: str) -> bool:
@@ -43,7 +43,11 @@ def import_module(name: str, what: str = "user") -> Any:
             raise ConfigError(f"cannot load {what} file {name}")
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:  # the user's file itself fails: say where, not sleuth's traceback
+            del sys.modules[module_name]
+            raise user_code_error(e, f"cannot import {what} file {name}") from None
         return module
     try:
         return importlib.import_module(name)
@@ -58,6 +62,10 @@ def import_module(name: str, what: str = "user") -> Any:
             return importlib.import_module(name)
         except ModuleNotFoundError as e2:
             raise ConfigError(f"cannot import {what} module '{name}': {e2}") from None
+        except Exception as e2:
+            raise user_code_error(e2, f"cannot import {what} module '{name}'") from None
+    except Exception as e:
+        raise user_code_error(e, f"cannot import {what} module '{name}'") from None
 
 
 def load_object(spec: str, what: str = "user task") -> Any:

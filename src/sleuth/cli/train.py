@@ -65,6 +65,7 @@ def run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:  # -> Con
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise UserError(f"{run_dir} is not a sleuth run directory (no config.yaml)")
+    announce_user_code(path)
     return load_config(path, overrides)
 
 
@@ -72,10 +73,18 @@ def dry_run(cfg: Any) -> list[str]:
     """Check everything that can be checked without loading weights; return what was checked."""
     import importlib.util
 
-    from sleuth.models import check_model_folder
+    from sleuth.models import (
+        check_lora_targets,
+        check_model_folder,
+        converted,
+        model_skeleton,
+        resolve_model_path,
+    )
     from sleuth.tasks.registry import build_task
 
     lines = [f"model: {check_model_folder(cfg.model.path)}"]
+    if cfg.model.lora.enabled and converted(cfg.model.path):  # its modules, from config.json alone
+        check_lora_targets(model_skeleton(resolve_model_path(cfg.model.path)), cfg.model.lora.target_modules)
     task = build_task(cfg.task)
     problems = task.eval_problems()
     lines.append(f"task: {cfg.task.name} ({len(problems)} held-out problems, first training problem "
@@ -113,12 +122,12 @@ def check_new_run_dir(run_dir: Path) -> None:
                         "choose a new or empty folder")
 
 
-def user_code(cfg: Any) -> list[str]:
-    """'key=spec (where)' for every config value that names code to import ("module:function")."""
+def user_code(data: dict[str, Any]) -> list[str]:
+    """'key=spec (where)' for every value of a config mapping that names code ("module:function")."""
     found = []
     for key in USER_CODE_KEYS:
         section, _, name = key.partition(".")
-        spec = getattr(getattr(cfg, section), name, None)
+        spec = (data.get(section) or {}).get(name) if isinstance(data.get(section), dict) else None
         if not isinstance(spec, str) or ":" not in spec:
             continue
         module = spec.rpartition(":")[0]
@@ -127,10 +136,17 @@ def user_code(cfg: Any) -> list[str]:
     return found
 
 
-def announce_user_code(cfg: Any, config_file: Path) -> None:
-    """Say which code a run directory's config makes --resume import, before importing it: a run
-    directory from someone else can name any file or module."""
-    refs = user_code(cfg)
+def announce_user_code(config_file: Path) -> None:
+    """Say which code a run directory's config makes sleuth import, before anything imports it
+    (validating the config already does): a run directory from someone else can name any file or
+    module, and its code runs with your rights."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return  # load_config reports what is wrong with the file
+    refs = user_code(data) if isinstance(data, dict) else []
     if refs:
         print(f"sleuth: note: {config_file} names code that this run imports and runs: "
               + "; ".join(refs), file=sys.stderr)
@@ -165,7 +181,6 @@ def run(args: argparse.Namespace) -> int:
     with fsio.FolderLock(run_dir):
         if args.resume:
             fsio.check_writable(run_dir / "checkpoints")
-            announce_user_code(cfg, run_dir / "config.yaml")
         else:
             check_new_run_dir(run_dir)  # again under the lock: another run may have started meanwhile
         return _train(cfg, run_dir, bool(args.resume))

@@ -30,9 +30,10 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from sleuth.cluster.runtime import Assignment, ClusterError, WorkerSpec
-from sleuth.cluster.transport import Bucket, pack_buckets, unpack
 from sleuth.config import ClusterConfig, Config, RolloutConfig
-from sleuth.rollout.base import GenerationRequest, GenerationResult, LoraAdapter, RolloutEngine
+from sleuth.records import LoraAdapter
+from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
+from sleuth.sync import Bucket, RayTransport, unpack
 
 MAX_RESTARTS = 4
 """Ray restarts a dead rollout worker this many times in a run before the run stops."""
@@ -66,7 +67,8 @@ class RolloutWorker:
         import ray
 
         return {"pid": os.getpid(), "ip": ray.util.get_node_ip_address(), "version": self.version,
-                "gpus": ray.get_gpu_ids(), "context_len": getattr(self.engine, "context_len", 0)}
+                "gpus": ray.get_gpu_ids(), "context_len": getattr(self.engine, "context_len", 0),
+                "native_lora": bool(self.engine is not None and self.engine.native_lora)}
 
     async def start(self) -> dict[str, Any]:
         if self.engine is None:
@@ -97,7 +99,7 @@ class RolloutWorker:
         self.version = version
         return sum(b.nbytes for b in buckets)
 
-    async def load_lora(self, adapter: LoraAdapter | None, version: int) -> None:
+    async def load_lora(self, adapter: LoraAdapter, version: int) -> None:
         if self.engine is None:
             raise StaleWeights("worker engine not started")
         await asyncio.to_thread(self.engine.sync_lora, adapter)
@@ -124,7 +126,6 @@ class RolloutPool(RolloutEngine):
         self.timeout_s = rollout_cfg.timeout_s
         self.sync_timeout_s = cluster_cfg.sync_timeout_s
         self.bucket_mb = bucket_mb
-        self._native_lora = rollout_cfg.native_lora and rollout_cfg.engine != "hf"
         actor = ray.remote(RolloutWorker)
         self.workers = [
             actor.options(num_cpus=s.cpus, num_gpus=s.gpus, max_restarts=MAX_RESTARTS, max_task_retries=0,
@@ -136,7 +137,7 @@ class RolloutPool(RolloutEngine):
         self._locks = [threading.Lock() for _ in self.workers]
         self._version = 0
         self._latest: tuple[str, Any] | None = None  # ("full", bucket refs) or ("lora", adapter ref)
-        self._counts = {"worker_restarts": 0, "syncs": 0, "sync_bytes": 0, "sync_s": 0.0}
+        self._counts = {"worker_restarts": 0, "syncs": 0}
         infos = self._get([w.info.remote() for w in self.workers], cluster_cfg.connect_timeout_s,
                           "placing the rollout workers (cluster.connect_timeout_s)")
         self.placement = infos
@@ -144,6 +145,7 @@ class RolloutPool(RolloutEngine):
         started = self._get([w.start.remote() for w in self.workers], rollout_cfg.timeout_s,
                             "starting the rollout workers' engines (rollout.timeout_s)")
         self.context_len = int(started[0]["context_len"])
+        self._native_lora = bool(started[0]["native_lora"])
 
     @classmethod
     def from_config(cls, cfg: Config, placement: Sequence[Assignment], model_path: str) -> RolloutPool:
@@ -259,24 +261,22 @@ class RolloutPool(RolloutEngine):
         return self._native_lora
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        """Full weights: packed into buckets, put in the object store once, read by every worker."""
-        import ray
-
-        t = time.perf_counter()
-        buckets = pack_buckets(named_tensors, self.bucket_mb)
-        refs = [ray.put(b) for b in buckets]
-        self._sync(("full", refs), sum(b.nbytes for b in buckets), t)
+        """Full weights, through the object store (the RolloutEngine interface; the loop goes
+        through sleuth.sync with the same RayTransport)."""
+        RayTransport().send_full(self, named_tensors)
 
     def sync_lora(self, adapter: LoraAdapter | None) -> None:
-        """Only the adapter crosses (each worker merges it into its base weights, or vLLM serves it)."""
-        import ray
+        if adapter is None:
+            raise ValueError("RolloutPool.sync_lora needs an adapter")
+        RayTransport().send_adapter(self, adapter)
 
-        t = time.perf_counter()
-        if adapter is not None:
-            adapter = LoraAdapter({k: v.detach().to("cpu").contiguous() for k, v in adapter.tensors.items()},
-                                  adapter.rank, adapter.alpha, adapter.target_modules)
-        nbytes = 0 if adapter is None else sum(v.numel() * v.element_size() for v in adapter.tensors.values())
-        self._sync(("lora", ray.put(adapter)), nbytes, t)
+    def load_buckets(self, refs: list[Any]) -> None:
+        """Every worker loads these weight buckets (object refs); kept for workers that restart."""
+        self._sync(("full", refs))
+
+    def load_adapter(self, ref: Any) -> None:
+        """Every worker applies this LoRA adapter (an object ref); kept for workers that restart."""
+        self._sync(("lora", ref))
 
     def _send(self, i: int, payload: tuple[str, Any], version: int) -> Any:
         kind, data = payload
@@ -284,9 +284,11 @@ class RolloutPool(RolloutEngine):
             return self.workers[i].load_weights.remote(data, version)
         return self.workers[i].load_lora.remote(data, version)
 
-    def _sync(self, payload: tuple[str, Any], nbytes: int, t0: float) -> None:
+    def _sync(self, payload: tuple[str, Any]) -> None:
+        """Send payload to every worker and wait, at most cluster.sync_timeout_s in all."""
         import ray
 
+        t0 = time.perf_counter()
         self._version += 1
         self._latest = payload  # kept (in the object store) for workers that restart later
         version = self._version
@@ -306,9 +308,6 @@ class RolloutPool(RolloutEngine):
             except ray.exceptions.RayTaskError as e:
                 raise e.cause from None
         self._counts["syncs"] += 1
-        self._counts["sync_bytes"] += nbytes
-        self._counts["sync_s"] += time.perf_counter() - t0
-        self.last_sync = {"sync_bytes": float(nbytes), "sync_s": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------ the rest
 

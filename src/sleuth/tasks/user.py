@@ -21,17 +21,21 @@ A module that is not importable from sys.path is also looked up in the current d
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from sleuth.config import TaskConfig
-from sleuth.errors import ConfigError, DataError
+from sleuth.errors import ConfigError, DataError, UserError, user_code_error
 from sleuth.plugins import import_module, load_object
 from sleuth.records import Message, Problem
 from sleuth.tasks.base import Task
 from sleuth.tasks.order import stream_index
 
 Verifier = Callable[[Any, str], float]
+LAZY_AFTER = 100_000
+"""problems() is read whole up to this many problems; beyond it, lazily (it may never end)."""
 
 
 def _default_verifier_spec(task_spec: str) -> str:
@@ -72,24 +76,63 @@ class UserTask(Task):
         self._verifier: Verifier | None = None
         self._train: list[Problem] = []
         held_out: list[Problem] = []
-        for i, item in enumerate(items):
-            split, problem = _to_problem(item, i, cfg.system_prompt, cfg.name)
-            (held_out if split == "eval" else self._train).append(problem)
+        self._items = iter(items)
+        self._read = 0
+        self.lazy = False
+        """True when problems() yielded more than LAZY_AFTER problems (an endless generator, say):
+        train problems are then taken in the order given, read as needed, never all at once."""
+        started = time.monotonic()
+        while self._read < LAZY_AFTER:
+            item = self._next_item()
+            if item is None:
+                break
+            (held_out if item[0] == "eval" else self._train).append(item[1])
+            if self._read % 10_000 == 0 and time.monotonic() - started > 2:
+                print(f"sleuth: reading problems from {cfg.name}: {self._read}", file=sys.stderr)
+        else:
+            self.lazy = True
+            print(f"sleuth: {cfg.name} yields more than {LAZY_AFTER} problems; taking them as needed, "
+                  "in the order given", file=sys.stderr)
         if not self._train and not held_out:
             raise DataError(f"user task {cfg.name} returned no problems")
         self._eval = (held_out or self._train)[: cfg.eval_size]
         self.verifier  # noqa: B018 -- resolve now, so a bad verifier fails at start-up
 
+    def _next_item(self) -> tuple[str, Problem] | None:
+        """The next (split, problem) from the user's iterable, or None when it is exhausted."""
+        try:
+            item = next(self._items)
+        except StopIteration:
+            return None
+        except Exception as e:
+            raise user_code_error(e, f"user task {self.cfg.name} failed while yielding problem {self._read}") \
+                from None
+        self._read += 1
+        return _to_problem(item, self._read - 1, self.cfg.system_prompt, self.cfg.name)
+
     @property
     def verifier(self) -> Verifier:
         if self._verifier is None:
-            fn = load_object(self.verifier_spec)
+            try:
+                fn = load_object(self.verifier_spec)
+            except UserError:
+                raise
+            except Exception as e:
+                raise user_code_error(e, f"cannot import verifier '{self.verifier_spec}'") from None
             if not callable(fn):
                 raise ConfigError(f"verifier '{self.verifier_spec}' is not a function")
             self._verifier = fn
         return self._verifier
 
     def train_problem(self, index: int) -> Problem:
+        if self.lazy:
+            while len(self._train) <= index:
+                item = self._next_item()
+                if item is None:
+                    raise DataError(f"user task {self.cfg.name} ran out of problems at {index}")
+                if item[0] == "train":
+                    self._train.append(item[1])
+            return self._train[index]
         if not self._train:
             raise DataError(f"user task {self.cfg.name} has only 'eval' problems, none to train on")
         return self._train[stream_index(len(self._train), self.cfg.seed, index)]
@@ -98,22 +141,33 @@ class UserTask(Task):
         return list(self._eval)
 
     def score(self, problem: Problem, completion: str) -> float:
-        return float(self.verifier(problem.answer, completion))
+        # The value as returned: sleuth.scoring checks it (a string such as "1.0" is an error,
+        # not a reward), so no float() here that would accept it.
+        return self.verifier(problem.answer, completion)
 
     def __getstate__(self) -> dict[str, Any]:
         # Verifier workers re-import the verifier by name: functions from a file path or a
         # module that only the parent imported would not unpickle there by reference.
         state = self.__dict__.copy()
         state["_verifier"] = None
+        state["_items"] = iter(())  # a generator cannot be pickled; workers only score
         return state
 
 
 def build(cfg: TaskConfig) -> Task:
     """A task from cfg.name = "module:function" (see the module docstring)."""
-    factory = load_object(cfg.name)
+    try:
+        factory = load_object(cfg.name)
+    except UserError:
+        raise
+    except Exception as e:  # the module's own code failed (a syntax error, an exception at import)
+        raise user_code_error(e, f"cannot import user task '{cfg.name}'") from None
     if not callable(factory):
         raise ConfigError(f"user task '{cfg.name}' is not a function")
-    result = factory(cfg)
+    try:
+        result = factory(cfg)
+    except Exception as e:
+        raise user_code_error(e, f"user task '{cfg.name}' raised") from None
     if isinstance(result, Task):
         return result
     if isinstance(result, dict | str | bytes) or not isinstance(result, Iterable):

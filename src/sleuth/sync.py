@@ -1,0 +1,209 @@
+"""Weight sync: the trainer's weights into the rollout engine after each update, in one place.
+
+    sync = WeightSync(policy, engine)      # decides adapter-only vs full weights once
+    stats = sync.push()                    # SyncStats(mode="adapter", bytes=..., seconds=...)
+    run.writer.log(it, stats.metrics())    # {"time/sync_s": ..., "sync/bytes": ..., "sync/adapter": ...}
+
+Two paths:
+- adapter: the policy trains a LoRA adapter and the engine serves adapters (`engine.native_lora`:
+  vLLM started with rollout.native_lora, the transformers engine always). Only the adapter's
+  tensors move (r x (in + out) per adapted module), the engine applies them.
+- full: the policy's full weights with any LoRA merged in (Policy.sync_state, HF names).
+
+How tensors reach the engine is a Transport. InProcessTransport calls the engine's methods in this
+process; RayTransport puts the weights into Ray's object store once, as flat byte buckets, for every
+rollout worker of a RolloutPool (cluster/rollout_pool.py) to read; the pool bounds each sync by
+cluster.sync_timeout_s. (On GPUs a NCCL broadcast from trainer rank 0 to the workers would skip the
+object store; it is not built: nothing here could test it.)
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import torch
+
+from sleuth.records import LoraAdapter
+from sleuth.rollout.base import RolloutEngine
+from sleuth.train.policy import Policy
+
+SyncMode = Literal["adapter", "full"]
+
+ALIGN = 64
+"""Byte alignment of each tensor in a bucket (a view as int64/float64 needs at least 8)."""
+
+DEFAULT_BUCKET_MB = 256
+"""Bucket size: large enough that per-object overhead vanishes, small enough to pipeline."""
+
+
+class Transport(Protocol):
+    """Moves weights into an engine. Returns the bytes it moved."""
+
+    def send_full(self, engine: RolloutEngine, tensors: Iterable[tuple[str, torch.Tensor]]) -> int: ...
+
+    def send_adapter(self, engine: RolloutEngine, adapter: LoraAdapter) -> int: ...
+
+
+class InProcessTransport:
+    """The engine lives in this process: hand it the tensors (its worker thread copies them)."""
+
+    def send_full(self, engine: RolloutEngine, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        moved = 0
+
+        def counted() -> Iterable[tuple[str, torch.Tensor]]:
+            nonlocal moved
+            for name, t in tensors:
+                moved += t.numel() * t.element_size()
+                yield name, t
+
+        engine.sync_weights(counted())
+        return moved
+
+    def send_adapter(self, engine: RolloutEngine, adapter: LoraAdapter) -> int:
+        engine.sync_lora(adapter)
+        return adapter.nbytes
+
+
+class RayTransport:
+    """The engine is a RolloutPool of Ray actors: full weights go into the object store once, packed
+    in buckets, and every worker reads them from there; an adapter goes in as one object."""
+
+    def __init__(self, bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+        self.bucket_mb = bucket_mb
+
+    def send_full(self, engine: Any, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        import ray
+
+        buckets = pack_buckets(tensors, self.bucket_mb)
+        engine.load_buckets([ray.put(b) for b in buckets])
+        return sum(b.nbytes for b in buckets)
+
+    def send_adapter(self, engine: Any, adapter: LoraAdapter) -> int:
+        import ray
+
+        on_cpu = LoraAdapter({k: v.detach().to("cpu").contiguous() for k, v in adapter.tensors.items()},
+                             adapter.rank, adapter.alpha, adapter.target_modules)
+        engine.load_adapter(ray.put(on_cpu))
+        return adapter.nbytes
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    mode: SyncMode
+    bytes: int
+    seconds: float
+
+    def metrics(self) -> dict[str, float]:
+        """The sync's metrics under their namespaced keys (see README, metrics)."""
+        return {"time/sync_s": self.seconds, "sync/bytes": float(self.bytes),
+                "sync/adapter": float(self.mode == "adapter")}
+
+
+def choose_mode(policy: Policy, engine: RolloutEngine) -> SyncMode:
+    """adapter whenever the policy is LoRA and the engine serves adapters, else full weights."""
+    return "adapter" if policy.is_lora and engine.native_lora else "full"
+
+
+def lora_adapter(policy: Policy) -> LoraAdapter:
+    """The policy's LoRA adapter as tensors (no copy, no disk): PEFT names without the adapter name."""
+    from peft import get_peft_model_state_dict
+
+    lora = policy.model_cfg.lora
+    tensors = {name: t.detach() for name, t in get_peft_model_state_dict(policy.model).items()}
+    targets = tuple(lora.target_modules) if isinstance(lora.target_modules, list) else ()
+    return LoraAdapter(tensors, rank=lora.rank, alpha=lora.alpha, target_modules=targets)
+
+
+class WeightSync:
+    """Keeps one engine's weights equal to the policy's. `push()` after every update."""
+
+    def __init__(self, policy: Policy, engine: RolloutEngine, transport: Transport | None = None,
+                 mode: SyncMode | None = None) -> None:
+        self.policy = policy
+        self.engine = engine
+        self.transport: Transport = transport or InProcessTransport()
+        self.mode: SyncMode = mode or choose_mode(policy, engine)
+        if self.mode == "adapter" and not policy.is_lora:
+            raise ValueError("adapter sync needs a LoRA policy")
+
+    def push(self) -> SyncStats:
+        """Send the policy's current weights (the adapter, or the full merged weights)."""
+        start = time.perf_counter()
+        with torch.no_grad():
+            if self.mode == "adapter":
+                moved = self.transport.send_adapter(self.engine, lora_adapter(self.policy))
+            else:
+                moved = self.transport.send_full(self.engine, self.policy.sync_state())
+        return SyncStats(self.mode, moved, time.perf_counter() - start)
+
+    def describe(self) -> dict[str, Any]:
+        return {"mode": self.mode, "engine": type(self.engine).__name__,
+                "transport": type(self.transport).__name__}
+
+
+# ---------------------------------------------------------------- buckets (the Ray transport's format)
+
+@dataclass
+class Bucket:
+    """Named tensors as one numpy uint8 array plus a table: Ray keeps numpy arrays out of band, so a
+    worker on the same node reads the bytes from shared memory without a copy (a torch tensor would
+    be pickled, i.e. copied), and any dtype, bfloat16 included, travels as raw bytes."""
+
+    data: np.ndarray
+    """All tensors' bytes back to back (uint8), each starting at a multiple of ALIGN."""
+    entries: list[tuple[str, str, tuple[int, ...], int, int]]
+    """(name, torch dtype name, shape, byte offset, byte length) per tensor."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+def pack_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float = DEFAULT_BUCKET_MB) -> list[Bucket]:
+    """Group tensors (in order) into buckets of about bucket_mb; a larger tensor gets its own."""
+    limit = int(bucket_mb * 1024**2)
+    buckets: list[Bucket] = []
+    parts: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named_tensors:
+        t = t.detach().to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        if parts and size + nbytes > limit:
+            buckets.append(_bucket(parts))
+            parts, size = [], 0
+        parts.append((name, t))
+        size += nbytes
+    if parts:
+        buckets.append(_bucket(parts))
+    return buckets
+
+
+def _bucket(parts: list[tuple[str, torch.Tensor]]) -> Bucket:
+    entries, offset = [], 0
+    for name, t in parts:
+        n = t.numel() * t.element_size()
+        entries.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, n))
+        offset += -(-n // ALIGN) * ALIGN  # each tensor starts aligned, so it can be viewed in place
+    data = np.empty(offset, dtype=np.uint8)
+    flat = torch.from_numpy(data)
+    for (_, t), (_, _, _, start, n) in zip(parts, entries):
+        flat[start:start + n].copy_(t.reshape(-1).view(torch.uint8))
+    return Bucket(data, entries)
+
+
+def unpack(bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) views into the bucket's bytes (read-only when they come from the object
+    store: the reader copies them into its own weights)."""
+    flat = None
+    if bucket.nbytes:
+        with warnings.catch_warnings():  # "buffer is not writable": we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(memoryview(bucket.data), dtype=torch.uint8)
+    for name, dtype, shape, offset, n in bucket.entries:
+        raw = flat[offset:offset + n] if flat is not None else torch.empty(0, dtype=torch.uint8)
+        yield name, raw.view(getattr(torch, dtype)).reshape(shape)
