@@ -65,9 +65,9 @@ def assert_same_run(got: list[dict], want: list[dict]) -> float:
     assert [r["iteration"] for r in got] == [r["iteration"] for r in want]
     worst = 0.0
     for a, b in zip(got, want):
-        assert (a["reward_mean"], a["tokens"]) == (b["reward_mean"], b["tokens"]), a["iteration"]
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6), a["iteration"]
-        worst = max(worst, abs(a["loss"] - b["loss"]))
+        assert (a["rollout/reward_mean"], a["rollout/tokens"]) == (b["rollout/reward_mean"], b["rollout/tokens"])
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-6), a["iteration"]
+        worst = max(worst, abs(a["train/loss"] - b["train/loss"]))
     return worst
 
 

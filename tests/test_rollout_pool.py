@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sleuth.cluster.rollout_pool import RolloutPool, WeightSyncTimeoutError
-from sleuth.cluster.runtime import WorkerSpec
+from sleuth.cluster.runtime import WorkerSpec, connect
 from sleuth.config import ClusterConfig, RolloutConfig
 from sleuth.records import LoraAdapter, SamplingParams
 from sleuth.rollout.base import GenerationRequest
@@ -29,8 +29,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pool_and_local(tiny):
-    ray.init(address="local", num_cpus=2, object_store_memory=100 * 1024**2, include_dashboard=False,
-             log_to_driver=False, logging_level="warning")
+    cluster = connect(ClusterConfig(rollout_workers=2, object_store_gb=0.1))  # a local cluster
     rollout = RolloutConfig(engine="hf", max_tokens=24)
     specs = [WorkerSpec("rollout", i, 0.5, 0) for i in range(2)]
     pool = RolloutPool(rollout, ClusterConfig(rollout_workers=2), str(tiny), "float32", 0, specs)
@@ -38,7 +37,7 @@ def pool_and_local(tiny):
     yield pool, local
     pool.close()
     local.close()
-    ray.shutdown()
+    cluster.shutdown()
 
 
 def requests(count: int = 6) -> list[GenerationRequest]:

@@ -113,7 +113,8 @@ def trainer_memory(cfg: Config, shape: ModelShape, world: int) -> dict[str, floa
 
 
 def rollout_memory(cfg: Config, shape: ModelShape, tp: int, device_gb: float | None, engine: str) -> dict[str, float]:
-    """GiB per rollout worker: weights (split over tp GPUs) and KV cache (and total)."""
+    """GiB per rollout worker, per GPU when it has several (tp): weights, KV cache, total; and the
+    tokens the whole KV cache holds."""
     b = DTYPE_BYTES[cfg.model.dtype]
     weights = shape.params() * b / max(tp, 1) / GiB
     if engine == "vllm" and tp > 0 and device_gb:
@@ -124,7 +125,8 @@ def rollout_memory(cfg: Config, shape: ModelShape, tp: int, device_gb: float | N
         rows = min(cfg.rollout.max_concurrency or 64, cfg.loop.tasks_per_iteration * cfg.rollout.samples_per_task)
         groups = -(-rows // cfg.rollout.samples_per_task)
         kv = (rows * cfg.rollout.max_tokens + groups * 1024) * shape.kv_bytes_per_token(b) / GiB
-    return {"weights": weights, "kv_cache": kv, "total": weights + kv}
+    tokens = kv * max(tp, 1) * GiB / shape.kv_bytes_per_token(b)  # tensor parallel splits the KV heads
+    return {"weights": weights, "kv_cache": kv, "kv_tokens": tokens, "total": weights + kv}
 
 
 def local_nodes() -> list[Node]:
@@ -161,8 +163,12 @@ def plan_lines(cfg: Config, nodes: list[Node], model_folder: Path, engine: str) 
             continue
         r = rollout_memory(cfg, shape, int(a.spec.gpus), a.node.gpu_memory_gb, engine)
         name = a.spec.name if C.uses_ray else "rollout engine (driver process)"
+        per = " per GPU" if a.spec.gpus > 1 else ""
         lines.append(_worker_line(name, a.node, a.spec.gpus, placement) + f": weights {r['weights']:.2f} "
-                     f"+ KV cache {r['kv_cache']:.2f} = {r['total']:.2f} GiB" + _fits(r["total"], a.node, a.spec.gpus, use))
+                     f"+ KV cache {r['kv_cache']:.2f} (~{r['kv_tokens']:,.0f} tokens) = {r['total']:.2f} GiB{per}"
+                     + _fits(r["total"], a.node, a.spec.gpus, use)
+                     + ("  WARNING: no room left for the KV cache (more GPUs per worker, or a higher "
+                        "rollout.gpu_memory_utilization)" if r["kv_tokens"] < cfg.rollout.max_tokens else ""))
     lines += _cpu_node_warnings(nodes, use)
     return lines
 
@@ -180,8 +186,8 @@ def _fits(total: float, node: Node | None, gpus: float, use: dict[str, float]) -
     if gpus:
         if node.gpu_memory_gb is None:
             return " (GPU memory unknown)"
-        have = node.gpu_memory_gb * gpus
-        return "" if total <= have else f"  WARNING: exceeds the {have:.0f} GiB of its GPU(s)"
+        have = node.gpu_memory_gb  # totals are per GPU
+        return "" if total <= have else f"  WARNING: exceeds the {have:.0f} GiB of a GPU"
     use[node.node_id] = use.get(node.node_id, 0.0) + total
     return ""
 

@@ -115,7 +115,14 @@ def connect(cfg: ClusterConfig) -> Cluster:
     if cfg.address is None:
         store = None if cfg.object_store_gb is None else int(cfg.object_store_gb * GiB)
         # "local": a new cluster even when `ray start` made one on this machine (e.g. another user's)
-        ray.init(address="local", num_cpus=os.cpu_count(), object_store_memory=store, **common)
+        for attempt in (1, 2):
+            try:
+                ray.init(address="local", num_cpus=os.cpu_count(), object_store_memory=store, **common)
+                break
+            except Exception as e:  # Ray gives its raylet 30 s to register, too little on a busy machine
+                ray.shutdown()
+                if attempt == 2 or "timed out during startup" not in str(e):
+                    raise ClusterError(f"could not start a local Ray cluster: {str(e).splitlines()[0]}") from None
         return Cluster(address="local", started_here=True, nodes=alive_nodes())
     if cfg.address != "auto":
         probe(cfg.address, cfg.connect_timeout_s)
