@@ -26,6 +26,7 @@ import torch
 from sleuth import fsio
 from sleuth.checkpoint import CheckpointManager
 from sleuth.config import Config, dump_config
+from sleuth.errors import ConfigError
 from sleuth.evaluate import EvalResult, eval_sampling, evaluate, mean_se, to_groups
 from sleuth.metrics import MetricsWriter, prefixed, timed
 from sleuth.models import encode_chat, resolve_model_path
@@ -135,6 +136,10 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     cluster, placement = None, []
     if cfg.cluster.uses_ray:  # first: a cluster that cannot hold the workers fails before any loading
         from sleuth.cluster.runtime import start_cluster
+
+        if cfg.cluster.trainer_workers > 1:  # FSDP2 ranks (cluster/trainer_group.py) are not wired in yet
+            raise ConfigError("cluster.trainer_workers > 1: the FSDP2 trainer group is not part of the loop "
+                              "yet; use cluster.trainer_workers=1 (rollout workers scale already)")
 
         cluster, placement = start_cluster(cfg.cluster)
     seed_everything(cfg.loop.seed, 0, cfg.loop.deterministic)
