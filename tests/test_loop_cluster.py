@@ -3,7 +3,6 @@ the one-process run with the same seed, with a rollout worker killed by SIGKILL 
 driver killed by SIGKILL and resumed. The default (one process) never imports Ray."""
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -20,17 +19,7 @@ from sleuth.cli.train import default_config_path
 from sleuth.config import load_config
 from sleuth.loop import train
 from sleuth.testing.tiny_model import write_tiny_model
-
-TASK_SOURCE = '''
-def problems(cfg):
-    for i in range(64):
-        yield {"id": f"p{i}", "prompt": f"Write lowercase letters ({i})", "answer": None,
-               "split": "eval" if i < 3 else "train"}
-
-
-def verify(answer, text):
-    return sum("a" <= c <= "z" for c in text) / len(text) if text else 0.0
-'''
+from test_loop import TASK_SOURCE, read_metrics  # the loop tests' tiny task
 
 ITERATIONS = 4
 RAY = ["cluster.rollout_workers=2", "cluster.cpus_per_worker=0.5", "cluster.object_store_gb=0.1"]
@@ -52,10 +41,6 @@ def setup(tmp_path_factory):
     reference = root / "reference"
     train(load_config(default_config_path(), args), reference, out=StringIO())
     return root, args, read_metrics(reference)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_same_run(got: list[dict], want: list[dict]) -> float:
