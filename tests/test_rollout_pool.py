@@ -138,34 +138,3 @@ def test_sync_timeout_names_the_workers(pool_and_local):
     reqs = requests(2)
     assert_same(pool.generate_all(reqs), local.generate_all(reqs))
 
-
-@pytest.mark.vllm
-def test_vllm_workers_against_one_vllm_engine(tiny, cluster, capsys):
-    """vLLM seeds each request but its numerics follow the batch: report how close 2 workers come."""
-    pytest.importorskip("vllm")
-    rollout = RolloutConfig(engine="vllm", max_tokens=24, kv_cache_gb=0.05, max_model_len=256)
-    specs = [WorkerSpec("rollout", i, 0.5, 0) for i in range(2)]
-    pool = RolloutPool(rollout, ClusterConfig(rollout_workers=2), str(tiny), "float32", 0, specs)
-    try:
-        reqs = requests()
-        got = pool.generate_all(reqs)
-    finally:
-        pool.close()
-    local = make_engine(rollout, str(tiny), "float32", 0)
-    try:
-        want = local.generate_all(reqs)
-    finally:
-        local.close()
-    same, total, worst = 0, 0, 0.0
-    for a, b in zip(got, want):
-        assert a.request == b.request and len(a.samples) == len(b.samples) == 4
-        for x, y in zip(a.samples, b.samples):
-            total += 1
-            same += x.token_ids == y.token_ids
-            k = next((i for i, (p, q) in enumerate(zip(x.token_ids, y.token_ids)) if p != q),
-                     min(len(x.token_ids), len(y.token_ids)))
-            worst = max([worst, *(abs(p - q) for p, q in zip(x.logprobs[:k], y.logprobs[:k]))])
-    with capsys.disabled():
-        print(f"\nvLLM, 2 workers vs 1 engine: {same}/{total} samples identical, largest logprob difference "
-              f"on the shared prefix {worst:.2e}")
-    assert worst < 1e-3  # the same model and tokens: logprobs agree up to float rounding
