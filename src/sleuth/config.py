@@ -120,6 +120,10 @@ class ModelConfig(Section):
     """Weights and compute dtype of the trainer."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    quantization: Literal["none", "int8", "nf4"] = "none"
+    """Quantize the frozen base's linear layers at load (bitsandbytes, CPU and CUDA): int8 (LLM.int8)
+    or nf4 (4-bit NormalFloat, QLoRA). Needs LoRA; the adapter keeps lora.dtype. Weight sync and
+    export send dequantized merged weights."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
 
@@ -161,6 +165,16 @@ class TaskConfig(Section):
     """Worker processes for verifiers in process isolation (more for slow verifiers like math)."""
     system_prompt: str | None = None
     """A system message put before every problem's prompt (None: the prompt is the only message)."""
+    rollout: str | None = None
+    """Episode tasks: the episode function "module:function" (or "path/file.py:function"),
+    `async def rollout(client, problem) -> float | {"reward": r, "metrics": {...}}`. None: a user
+    task module's own `rollout`, or the task's built-in one (math_python)."""
+    episode_timeout_s: float = Field(300.0, gt=0)
+    """An episode that runs longer scores 0 and is counted (rollout/episode_timeouts)."""
+    max_turns: int = Field(8, ge=1)
+    """Most model calls per episode; a call past it is refused with HTTP 400."""
+    episode_max_tokens: int | None = Field(None, ge=1)
+    """Most tokens the model may sample per episode (None: max_turns x rollout.max_tokens)."""
 
     @field_validator("name", "verifier")
     @classmethod

@@ -26,8 +26,8 @@ import torch
 from sleuth import fsio
 from sleuth.checkpoint import CheckpointManager
 from sleuth.config import Config, dump_config
-from sleuth.errors import ConfigError
-from sleuth.evaluate import EvalResult, eval_sampling, evaluate, mean_se, to_groups
+from sleuth.errors import ConfigError, UserError
+from sleuth.evaluate import EvalResult, eval_sampling, evaluate, evaluate_episodes, mean_se, to_groups
 from sleuth.metrics import MetricsWriter, prefixed, timed
 from sleuth.models import encode_chat, resolve_model_path
 from sleuth.progress import Progress
@@ -36,6 +36,7 @@ from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngi
 from sleuth.scoring import VerifierRunner, score_groups
 from sleuth.sync import WeightSync
 from sleuth.tasks.base import Task
+from sleuth.tasks.episodes import EpisodeRunner, episode_metrics, find_rollout
 from sleuth.train.advantages import compute_advantages
 from sleuth.train.policy import Policy
 from sleuth.train.step import Trainer
@@ -61,6 +62,8 @@ class Run:
     eval_problems: list[Problem]
     start_iteration: int = 0
     state: dict[str, Any] = field(default_factory=dict)
+    episodes: Any = None
+    """Episode tasks: the EpisodeRunner (gateway + the task's rollout function); None otherwise."""
     """Carried across checkpoints: val_before, the latest val_reward, data position."""
     cluster: Any = None
     """The Ray cluster the workers run on (cluster/runtime.py), None when the run is one process."""
@@ -145,6 +148,9 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     seed_everything(cfg.loop.seed, 0, cfg.loop.deterministic)
     task = build_task(cfg.task)
     eval_problems = list(task.eval_problems())[: cfg.task.eval_size] if cfg.loop.evaluate else []
+    if cfg.model.quantization != "none" and cfg.rollout.native_lora:
+        raise UserError("rollout.native_lora serves the adapter on the unquantized base, which "
+                        f"model.quantization={cfg.model.quantization} changes; turn one of them off")
     policy = Policy.from_config(cfg.model, need_reference=cfg.algorithm.kl_beta > 0)
     trainer = Trainer(policy, cfg.algorithm, cfg.trainer, total_steps=cfg.loop.iterations,
                       max_tokens=cfg.rollout.max_tokens)
@@ -173,11 +179,21 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     else:
         engine = make_engine(cfg.rollout, model_path, cfg.model.dtype, cfg.loop.seed)
         sync = WeightSync(policy, engine)
-    if start > 0:  # the engine starts from the base weights; give it the trained ones
+    # The engine starts from the base checkpoint's weights: give it the trained ones, or (quantized
+    # base) the dequantized ones the trainer really computes with, so rollouts stay on-policy.
+    if start > 0 or cfg.model.quantization != "none":
         sync.push()
     verifier = VerifierRunner.from_config(task, cfg.task)
+    rollout_fn = find_rollout(cfg.task, task)
+    episodes = None if rollout_fn is None else EpisodeRunner(rollout_fn, engine, policy.tokenizer, cfg.task,
+                                                             train_sampling(cfg))
     return Run(cfg, run_dir, task, policy, trainer, engine, sync, writer, checkpoints, verifier, eval_problems,
-               start, state, cluster)
+               start, state, episodes=episodes, cluster=cluster)
+
+
+def train_sampling(cfg: Config) -> SamplingParams:
+    return SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                          max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.stdout,
@@ -186,8 +202,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
     run = setup(cfg, run_dir, resume)
     progress = progress or Progress()
     L = cfg.loop
-    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                              max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
+    sampling = train_sampling(cfg)
     done = run.start_iteration
     interrupted, stop_signal = False, 0
     try:
@@ -206,21 +221,27 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
                 first = (it - 1) * L.tasks_per_iteration
                 problems = [run.task.train_problem(i) for i in range(first, first + L.tasks_per_iteration)]
 
-                # 2. Generate samples_per_task completions per problem.
+                # 2. Generate samples_per_task completions per problem (episode tasks: run
+                #    samples_per_task episodes of the user's agent code through the gateway).
                 with timed(metrics, "rollout"):
-                    prompts = [encode_chat(run.policy.tokenizer, p.messages) for p in problems]
-                    requests = [
-                        GenerationRequest(ids, n=cfg.rollout.samples_per_task, request_id=f"{it}-{j}",
-                                          sampling=replace(sampling, seed=request_seed(L.seed, it, j)))
-                        for j, ids in enumerate(prompts)
-                    ]
-                    results = _generate(run.engine, requests, progress)
+                    if run.episodes is not None:
+                        groups = _run_episodes(run, problems, request_seed(L.seed, it, 0), metrics, progress)
+                    else:
+                        prompts = [encode_chat(run.policy.tokenizer, p.messages) for p in problems]
+                        requests = [
+                            GenerationRequest(ids, n=cfg.rollout.samples_per_task, request_id=f"{it}-{j}",
+                                              sampling=replace(sampling, seed=request_seed(L.seed, it, j)))
+                            for j, ids in enumerate(prompts)
+                        ]
+                        results = _generate(run.engine, requests, progress)
                 if interrupt.requested:
                     break
 
-                # 3. Score every completion with the task's verifier (errors and timeouts score 0).
+                # 3. Score every completion with the task's verifier (errors and timeouts score 0;
+                #    an episode's own return value is its reward).
                 with timed(metrics, "score"):
-                    groups = _score(run, problems, prompts, results, metrics, it)
+                    if run.episodes is None:
+                        groups = _score(run, problems, prompts, results, metrics, it)
 
                 # 4. Group-relative advantages; all-zero groups carry no gradient and are dropped.
                 train_groups, adv_metrics = compute_advantages(
@@ -271,6 +292,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
     finally:
         run.writer.close()
         run.verifier.close()
+        if run.episodes is not None:
+            run.episodes.close()
         run.engine.close()
         if run.cluster is not None:
             run.cluster.shutdown()
@@ -302,6 +325,21 @@ def _generate(engine: RolloutEngine, requests: list[GenerationRequest],
         return asyncio.run(collect())
     finally:
         progress.remove(bar)
+
+
+def _run_episodes(run: Run, problems: list[Problem], seed: int, metrics: dict[str, Any],
+                  progress: Progress) -> list[Group]:
+    """samples_per_task episodes per problem; groups of episodes with at least one call."""
+    bar = progress.bar("episodes", total=len(problems))
+    start = time.perf_counter()
+    try:
+        groups, outcomes = run.episodes.run(problems, run.cfg.rollout.samples_per_task, seed,
+                                            on_group=lambda: progress.advance(bar))
+    finally:
+        progress.remove(bar)
+    metrics.update(episode_metrics(outcomes, groups))
+    metrics["rollout/tokens_per_s"] = metrics["rollout/tokens"] / max(time.perf_counter() - start, 1e-9)
+    return [g for g in groups if g.completions]
 
 
 def _train_step(run: Run, groups: list[Group], progress: Progress) -> dict[str, float]:
@@ -341,9 +379,12 @@ def _evaluate(run: Run, iteration: int, progress: Progress) -> EvalResult:
     cfg = run.cfg
     bar = progress.bar("evaluation", total=None)
     try:
-        result = evaluate(run.engine, run.task, run.policy.tokenizer, run.eval_problems, cfg.eval.k,
-                          eval_sampling(cfg),
-                          run.verifier, seed=cfg.loop.seed + EVAL_SEED_OFFSET)
+        if run.episodes is not None:
+            result = evaluate_episodes(run.episodes, run.eval_problems, cfg.eval.k, eval_sampling(cfg),
+                                       seed=cfg.loop.seed + EVAL_SEED_OFFSET)
+        else:
+            result = evaluate(run.engine, run.task, run.policy.tokenizer, run.eval_problems, cfg.eval.k,
+                              eval_sampling(cfg), run.verifier, seed=cfg.loop.seed + EVAL_SEED_OFFSET)
     finally:
         progress.remove(bar)
     if result.warning:

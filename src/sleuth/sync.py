@@ -105,8 +105,10 @@ class SyncStats:
 
 
 def choose_mode(policy: Policy, engine: RolloutEngine) -> SyncMode:
-    """adapter whenever the policy is LoRA and the engine serves adapters, else full weights."""
-    return "adapter" if policy.is_lora and engine.native_lora else "full"
+    """adapter whenever the policy is LoRA and the engine serves adapters, else full weights. An
+    adapter that does not reproduce the policy on the engine's base checkpoint (quantized base,
+    fused-expert adapters) goes as full merged weights (Policy.adapter_is_portable)."""
+    return "adapter" if policy.is_lora and engine.native_lora and policy.adapter_is_portable else "full"
 
 
 def lora_adapter(policy: Policy) -> LoraAdapter:

@@ -17,6 +17,7 @@ from sleuth.tasks.base import Task
 TASKS: dict[str, str] = {
     "temporal_clue": "sleuth.tasks.temporal_clue.task:build",
     "math": "sleuth.tasks.math:build",
+    "math_python": "sleuth.tasks.math_python:build",
     "reasoning_gym": "sleuth.tasks.reasoning_gym:build",
 }
 """Registered task name -> "module:factory"."""
