@@ -148,9 +148,10 @@ class RolloutPool(RolloutEngine):
         self._native_lora = bool(started[0]["native_lora"])
 
     @classmethod
-    def from_config(cls, cfg: Config, placement: Sequence[Assignment], model_path: str) -> RolloutPool:
+    def from_config(cls, cfg: Config, placement: Sequence[Assignment], model_path: str, dtype: str) -> RolloutPool:
+        """dtype: model.dtype resolved for this machine (auto -> float32 or bfloat16)."""
         specs = [a.spec for a in placement if a.spec.kind == "rollout"]
-        return cls(cfg.rollout, cfg.cluster, model_path, cfg.model.dtype, cfg.loop.seed, specs)
+        return cls(cfg.rollout, cfg.cluster, model_path, dtype, cfg.loop.seed, specs)
 
     # ------------------------------------------------------------------ generation
 
