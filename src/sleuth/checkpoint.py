@@ -190,7 +190,10 @@ class CheckpointManager:
         """Load weights, trainer state and RNG states from a checkpoint; return its state dict."""
         policy.load_weights(checkpoint.path / "policy")
         if trainer is not None:
-            trainer.load_state_dict(torch.load(checkpoint.path / "trainer.pt", weights_only=False))
+            trainer_state = torch.load(checkpoint.path / "trainer.pt", weights_only=False)
+            if "optimizer" not in trainer_state:  # FSDP2 ranks: it is sharded beside the weights
+                trainer_state["optimizer_dir"] = str(checkpoint.path / "policy")
+            trainer.load_state_dict(trainer_state)
         if restore_rng:
             set_rng_state(torch.load(checkpoint.path / "rng.pt", weights_only=False))
         return checkpoint.state
