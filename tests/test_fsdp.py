@@ -104,7 +104,13 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def assert_close_rel(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> None:
-    torch.testing.assert_close(a.float(), b.float(), rtol=rel, atol=rel * float(b.abs().max()) + 1e-12)
+    """|a - b| <= rel * |b| in the tensor's 2-norm.
+
+    Per element is too strict after an AdamW step: its first update is about lr * sign(gradient),
+    so a gradient element near zero (summed in another order over ranks) may flip its update.
+    """
+    err = float((a.double() - b.double()).norm()) / max(float(b.double().norm()), 1e-30)
+    assert err <= rel, f"relative difference {err:.3g} > {rel}"
 
 
 @pytest.mark.slow
@@ -127,8 +133,9 @@ def test_two_ranks_step_equals_single_process(ranks: dict[str, Any], lora: bool)
     assert moved > 0  # the step changed weights, so equality is not trivially true
     for name, t in want["merged"].items():  # the full merged weights a weight sync would send
         assert_close_rel(got["merged"][name], t)
-    for name, state in want["optimizer"].items():
-        assert_close_rel(got["optimizer"][name]["exp_avg"], state["exp_avg"], rel=1e-4)
+    for name, state in want["optimizer"].items():  # exp_avg = (1 - beta1) x the clipped gradient
+        torch.testing.assert_close(got["optimizer"][name]["exp_avg"], state["exp_avg"], rtol=1e-4,
+                                   atol=1e-5 * float(state["exp_avg"].abs().max()))
 
 
 @pytest.mark.slow

@@ -40,11 +40,17 @@ def single_process(cfg: Config) -> tuple[Policy, Trainer]:
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
-                 [str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}})
+    # Ray runs its workers at nice 15: on a machine busy with other work they would starve.
+    previous = os.environ.get("RAY_worker_niceness")
+    os.environ["RAY_worker_niceness"] = "0"
+    ray.init(address="local", num_cpus=2, object_store_memory=100 * 1024**2, include_dashboard=False,
+             log_to_driver=False)
     yield
     ray.shutdown()
+    if previous is None:
+        del os.environ["RAY_worker_niceness"]
+    else:
+        os.environ["RAY_worker_niceness"] = previous
 
 
 @pytest.mark.slow
