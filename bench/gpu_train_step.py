@@ -19,6 +19,7 @@ import argparse
 import torch
 
 from sleuth.config import AlgorithmConfig, LoraConfig, ModelConfig, TrainerConfig
+from sleuth.hardware import cpu_description, cpu_dtype
 from sleuth.testing.tiny_model import build_model, build_tokenizer
 from sleuth.train.attention import backend_for
 from sleuth.train.optim import measure_matmul_flops
@@ -38,27 +39,33 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--shapes", default="clue,aime")
-    ap.add_argument("--modes", default="lora,full")
+    ap.add_argument("--modes", default="lora,lora_base,full")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, default=8, help="naive layout: sequences per forward")
     ap.add_argument("--row-tokens", type=int, default=16384)
     a = ap.parse_args()
     dev = torch.device(a.device)
-    peak = measure_matmul_flops(torch.bfloat16, dev, n=4096 if dev.type == "cuda" else 1024)
+    print(f"# cpu: {cpu_description()}", flush=True)
+    # bf16 on the GPU; on a CPU only where it accelerates bf16 (else float32, ~50x faster there)
+    dtype = getattr(torch, "bfloat16" if dev.type == "cuda" else cpu_dtype())
+    peak = measure_matmul_flops(dtype, dev, n=4096 if dev.type == "cuda" else 1024)
     print(f"# device {dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}), "
-          f"bf16 matmul measured: {peak / 1e12:.1f} TFLOP/s, attention: {backend_for(dev)}", flush=True)
+          f"{dtype} matmul measured: {peak / 1e12:.1f} TFLOP/s, attention: {backend_for(dev)}", flush=True)
     print("| mode | shape | layout | tokens | step s | tokens/s | MFU | self-check max / mean abs dlogp | peak GB |")
     print("|---|---|---|---|---|---|---|---|---|")
     heads: dict[str, float] = {}
     for mode in a.modes.split(","):
         model = build_model(a.hidden, a.layers, a.heads, a.kv_heads, seed=0, vocab_size=a.vocab,
-                            max_positions=8192).to(torch.bfloat16)
+                            max_positions=8192).to(dtype)
         with torch.no_grad():  # the tiny-model init is too large for a deep model: keep logits sane
             for p in model.parameters():
                 if p.dim() > 1:
                     p.normal_(0.0, 0.02)
         model.set_attn_implementation(backend_for(dev))
-        cfg = ModelConfig(path="<random-init>", dtype="bfloat16", lora=LoraConfig(enabled=mode == "lora"))
+        # lora_base: adapters in the base's dtype (model.lora.dtype=base), no per-layer input casts.
+        cfg = ModelConfig(path="<random-init>", dtype=str(dtype).removeprefix("torch."),
+                          lora=LoraConfig(enabled=mode.startswith("lora"),
+                                          dtype="base" if mode == "lora_base" else "float32"))
         policy = Policy(model, build_tokenizer(), cfg, need_reference=False, device=dev)
         n_params = sum(p.numel() for p in model.parameters())
         body, head = policy.matmul_parameters()
@@ -86,7 +93,7 @@ def main() -> None:
             mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0
             print(f"| {mode} | {shape} | naive | {naive_tokens} | {t_naive:.3f} | {naive_tokens / t_naive:.0f} | "
                   f"{mfu_naive:.3f} | - | {mem:.1f} |", flush=True)
-            key = shape if mode == "lora" else f"{shape}_full"
+            key = shape if mode == "lora" else f"{shape}_{mode}"
             heads[f"{key}_speedup"] = t_naive / t_packed
             heads[f"{key}_mfu"] = best["mfu"]
             heads[f"{key}_selfcheck_mean"] = check["self_check_mean_diff"]

@@ -17,6 +17,7 @@ import argparse
 import statistics
 import time
 
+from sleuth.hardware import cpu_description
 from sleuth.records import Completion, Group, Problem
 from sleuth.scoring import VerifierRunner, score_groups
 from sleuth.tasks.temporal_clue import grade
@@ -56,6 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=50)
     args = parser.parse_args()
+    print(f"# cpu: {cpu_description()}", flush=True)
     rows = []
     for name, text in inputs().items():
         grade(SOLUTION, text)  # warm-up (regex compile, caches)

@@ -16,6 +16,7 @@ import os
 import statistics
 import time
 
+from sleuth.hardware import cpu_description
 from sleuth.tasks.temporal_clue.generate import build_puzzle, puzzle_seed
 
 PUBLISHED_MEDIAN_S, PUBLISHED_MEAN_S = 1.9, 34.0
@@ -44,6 +45,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=50, help="puzzles per difficulty")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    print(f"# cpu: {cpu_description()}", flush=True)
     headline: dict[str, float] = {}
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"{'difficulty':>10} {'n':>4} {'median_s':>9} {'mean_s':>8} {'p95_s':>7} {'max_s':>7} "

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from sleuth.config import Config, LoggingConfig, dump_config
+from sleuth.hardware import cpu_description
 from sleuth.metrics import MetricsWriter
 
 
@@ -55,6 +56,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=10000)
     ap.add_argument("--repeat", type=int, default=3)
     a = ap.parse_args()
+    print(f"# cpu: {cpu_description()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
         write_run(run, a.iterations, a.samples)

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from sleuth.hardware import cpu_description, cpu_dtype
 from sleuth.models import SMOLLM2_ALIAS, encode_chat, load_causal_lm, load_tokenizer, resolve_model_path
 from sleuth.records import SamplingParams
 from sleuth.rollout.base import GenerationRequest, GenerationResult
@@ -94,6 +95,8 @@ def main() -> None:
     ap.add_argument("--mad-groups", type=int, default=2, help="groups per engine in the logprob comparison")
     ap.add_argument("--vllm-compile", action="store_true", help="let vLLM compile the model (slower start)")
     a = ap.parse_args()
+    print(f"# cpu: {cpu_description()}", flush=True)
+    dtype = cpu_dtype("bfloat16")  # bf16 only where this CPU accelerates it
 
     folder = str(resolve_model_path(SMOLLM2_ALIAS))
     tokenizer = load_tokenizer(folder)
@@ -108,7 +111,7 @@ def main() -> None:
               for i, r in enumerate(requests)]
     mean_prompt = sum(map(len, prompts)) / len(prompts)
     rows: list[tuple[str, int, float, str]] = []
-    trainer = load_causal_lm(folder, "bfloat16").eval()
+    trainer = load_causal_lm(folder, dtype).eval()
 
     progress("transformers engine")
     hf = HFEngine(trainer, tokenizer, model_path=folder, max_rows=a.prompts * a.n)
@@ -133,7 +136,7 @@ def main() -> None:
 
         progress(f"plain generate: {naive_tok} tokens in {naive_s:.1f} s; vLLM start-up")
         t = time.perf_counter()
-        vl = VLLMEngine(folder, dtype="bfloat16", seed=0, kv_cache_gb=2.0, enforce_eager=not a.vllm_compile)
+        vl = VLLMEngine(folder, dtype=dtype, seed=0, kv_cache_gb=2.0, enforce_eager=not a.vllm_compile)
         start_s = time.perf_counter() - t
         vl.generate_all(warmup)
         t = time.perf_counter()
@@ -149,7 +152,7 @@ def main() -> None:
         progress(f"vLLM: {vl_tok} tokens in {vl_s:.1f} s; logprob check")
         vllm_mad = logprob_mad(trainer, vl_results, a.mad_groups)
 
-    print(f"SmolLM2-135M-Instruct bf16, {a.prompts} prompts x {a.n} samples x {a.max_tokens} max new tokens, "
+    print(f"SmolLM2-135M-Instruct {dtype}, {a.prompts} prompts x {a.n} samples x {a.max_tokens} max new tokens, "
           f"mean prompt {mean_prompt:.0f} tokens, torch threads {torch.get_num_threads()}, "
           f"cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}")
     print("| engine | tokens | seconds | tokens/s | notes |")

@@ -8,7 +8,8 @@ Batches of 8 groups x 8 completions with random token ids:
 "packed" is sleuth's Trainer.step (rows of [prompt | c1 | c2 ...], structured attention).
 "naive" is the layout TRL uses: every completion with its full prompt, padded to the longest,
 in micro-batches, with the same chunked logprobs, loss and AdamW step.
-MFU is 6 x matmul parameters x tokens / time, against a bf16 matmul measured in the same run.
+MFU is 6 x matmul parameters x tokens / time, against a matmul in the run's dtype measured in the same
+run. The dtype is bf16 where the CPU accelerates it (AVX512_BF16/AMX), else float32 (--dtype overrides).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 import torch
 
 from sleuth.config import AlgorithmConfig, LoraConfig, ModelConfig, TrainerConfig
+from sleuth.hardware import cpu_description, cpu_dtype
 from sleuth.records import Completion, Group, Problem
 from sleuth.train.logprobs import token_logprobs
 from sleuth.train.losses import aggregation_weights, ppo_clip
@@ -102,11 +104,15 @@ def main() -> None:
     ap.add_argument("--row-tokens", type=int, default=4096)
     ap.add_argument("--micro-batch", type=int, default=2, help="naive layout: sequences per forward")
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                    help="auto: bf16 where this CPU accelerates it, else float32")
     ap.add_argument("--groups", type=int, default=8, help="groups of 8 completions (8 for the headline)")
     a = ap.parse_args()
     torch.manual_seed(0)
-    peak = measure_matmul_flops(torch.bfloat16, "cpu", n=2048, reps=3)
-    print(f"# bf16 matmul peak (2048^3, measured now): {peak / 1e12:.3f} TFLOP/s; threads={torch.get_num_threads()}",
+    dtype = cpu_dtype() if a.dtype == "auto" else a.dtype
+    print(f"# cpu: {cpu_description()}", flush=True)
+    peak = measure_matmul_flops(getattr(torch, dtype), "cpu", n=2048, reps=3)
+    print(f"# {dtype} matmul peak (2048^3, measured now): {peak / 1e12:.3f} TFLOP/s; threads={torch.get_num_threads()}",
           flush=True)
     print("| mode | shape | layout | tokens | step s (wall) | CPU s | tokens/s (wall) | MFU (wall) | "
           "self-check max / mean abs dlogp | peak RSS GB |")
@@ -115,7 +121,7 @@ def main() -> None:
     wall_speedup: dict[str, float] = {}
     mfu_clue = 0.0
     for mode in a.modes.split(","):
-        cfg = ModelConfig(path=a.model, dtype="bfloat16", lora=LoraConfig(enabled=mode == "lora"))
+        cfg = ModelConfig(path=a.model, dtype=dtype, lora=LoraConfig(enabled=mode == "lora"))
         policy = Policy.from_config(cfg, need_reference=False, device="cpu")
         body, head = policy.matmul_parameters()
         vocab = int(policy.causal_lm.config.vocab_size)

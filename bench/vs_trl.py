@@ -115,6 +115,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
     a = parser.parse_args()
+    from sleuth.hardware import cpu_description
+
+    print(f"# cpu: {cpu_description()}", flush=True)
 
     from sleuth.models import resolve_model_path
 

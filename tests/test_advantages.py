@@ -46,7 +46,7 @@ def test_constant_groups_are_dropped_and_counted(name: str) -> None:
 
 
 def test_bad_input() -> None:
-    with pytest.raises(UserError, match="unknown advantage estimator 'ppo'"):
+    with pytest.raises(UserError, match="unknown advantage 'ppo'"):
         compute_advantages([group([1.0])], "ppo")
     with pytest.raises(ValueError, match="has no completions"):
         compute_advantages([group([])], "grpo")

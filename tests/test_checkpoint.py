@@ -73,7 +73,7 @@ def test_failed_save_leaves_previous_intact(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=3)
     mgr.save(1, policy, opt, {})
     before = (tmp_path / "iter-000001" / "policy" / "weights.safetensors").read_bytes()
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(UserError, match="disk full"):
         mgr.save(2, LinearPolicy(seed=5, fail_on_save=True), opt, {})
     assert [c.iteration for c in mgr.list()] == [1]
     assert (tmp_path / "iter-000001" / "policy" / "weights.safetensors").read_bytes() == before
@@ -87,7 +87,7 @@ def test_killed_save_leftovers_are_ignored_and_cleaned(tmp_path):
     mgr.save(1, policy, opt, {})
     # What SIGKILL in the middle of a save leaves: a temp folder with part of a checkpoint, and a
     # folder with a valid name but no state.json would be equally ignored.
-    partial = tmp_path / ".tmp-iter-000002-abc"
+    partial = tmp_path / ".tmp-iter-000002-pid999999999-abc"
     (partial / "policy").mkdir(parents=True)
     (partial / "state.json").write_text("{}")
     (tmp_path / "iter-000003").mkdir()
@@ -120,5 +120,55 @@ def test_retention_keeps_last_and_best(tmp_path):
 def test_empty_directory(tmp_path):
     mgr = CheckpointManager(tmp_path / "none")
     assert mgr.latest() is None and mgr.best() is None
-    with pytest.raises(UserError, match="no checkpoint 'latest'"):
+    with pytest.raises(UserError, match="no valid checkpoint"):
         mgr.find("latest")
+
+
+def corrupt(path: Path, how: str) -> None:
+    if how == "truncate":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "garbage":
+        path.write_bytes(b"\x80\x04garbage")
+    elif how == "delete":
+        path.unlink()
+
+
+@pytest.mark.parametrize("file, how", [
+    ("policy/weights.safetensors", "truncate"), ("trainer.pt", "truncate"), ("rng.json", "garbage"),
+    ("state.json", "delete"), ("manifest.json", "delete"), ("manifest.json", "garbage"),
+])
+def test_corrupt_latest_checkpoint_falls_back_to_the_newest_valid(tmp_path, file, how):
+    policy = LinearPolicy()
+    opt = torch.optim.AdamW(policy.model.parameters(), lr=1e-2)
+    mgr = CheckpointManager(tmp_path, keep_last=3, warn=(warnings := []).append)
+    mgr.save(1, policy, opt, {"data_position": 8})
+    expected = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    train_steps(policy, opt, 1)
+    mgr.save(2, policy, opt, {"data_position": 16})
+    corrupt(tmp_path / "iter-000002" / file, how)
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    other = LinearPolicy(seed=7)
+    restored = mgr.restore_latest(other, torch.optim.AdamW(other.model.parameters(), lr=1e-2))
+    assert restored is not None and restored.iteration == 1 and restored.state["data_position"] == 8
+    for k, v in other.model.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+    if file != "state.json":  # without state.json the folder is not a checkpoint at all
+        assert len(warnings) == 1 and warnings[0].startswith("skipped checkpoint iter-000002: ")
+        assert "\n" not in warnings[0]
+    assert mgr.find("latest").iteration == 1  # export's choice too
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing deleted
+
+
+def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
+    policy = LinearPolicy()
+    opt = torch.optim.SGD(policy.model.parameters(), lr=0.1)
+    mgr = CheckpointManager(tmp_path, warn=lambda text: None)
+    mgr.save(1, policy, opt, {})
+    corrupt(tmp_path / "iter-000001" / "trainer.pt", "truncate")
+    with pytest.raises(UserError, match=r"none of the 1 checkpoints in .* is usable"):
+        mgr.restore_latest(policy, opt)
+    with pytest.raises(UserError, match=r"iter-000001 is not usable: trainer.pt has .* bytes, the manifest says"):
+        mgr.find("iter-000001")
+    assert CheckpointManager(tmp_path / "none").restore_latest(policy, opt) is None

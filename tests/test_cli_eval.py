@@ -94,7 +94,12 @@ def test_eval_bad_inputs(files, tmp_path, capsys):
     cases = [
         (["eval", "--model", str(tmp_path / "missing"), "--task", "temporal_clue"], "is neither a folder"),
         (["eval", "--model", str(tiny), "--task", "temporal_clu"], "unknown task 'temporal_clu'"),
-        (["eval", "--model", str(tiny), "--k", "0"], "--k must be >= 1"),
+        (["eval", "--model", str(tiny), "--k", "0"], "--k (eval.k): Input should be greater than or equal to 1"),
+        (["eval", "--model", str(tiny), "--k", "true"], "--k (eval.k): expected a number, not a boolean"),
+        (["eval", "--model", str(tiny), "--price", "nan"], "--price (eval.price_per_million_tokens): Input "
+                                                            "should be a finite number"),
+        (["eval", "--model", str(tiny), "--price", "-1"], "--price (eval.price_per_million_tokens)"),
+        (["eval", "--model", str(tiny), "--out", str(tiny / "config.json")], "is a file, not a folder"),
         (["eval", "--model", str(tiny), "eval.kk=3"], "unknown config key 'eval.kk'"),
         (["eval", "--model", str(tiny), "notakey"], "not of the form section.key=value"),
     ]
@@ -102,3 +107,21 @@ def test_eval_bad_inputs(files, tmp_path, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("sleuth: error: ") and message in err[-1], err
+
+
+FAILING_TASK = TASK_SOURCE.replace("def verify(answer, text):", "def verify(answer, text):\n    return '1.0'")
+
+
+def test_eval_says_when_every_verifier_call_failed(files, tmp_path, capsys):
+    tiny, _ = files
+    task_file = tmp_path / "failing_task.py"
+    task_file.write_text(FAILING_TASK)  # the verifier returns the string "1.0", not a number
+    out = tmp_path / "out"
+    assert main(["eval", "--model", str(tiny), "--task", f"{task_file}:problems", "--k", "2",
+                 "--out", str(out), *COMMON]) == 0
+    err = capsys.readouterr().err
+    assert "sleuth: warning: every verifier call of the evaluation failed (8 of 8); the first: verifier " \
+           "returned str, not a number" in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verifier_errors"] == 8 and summary["avg"] == 0.0
+    assert summary["warning"].startswith("every verifier call")

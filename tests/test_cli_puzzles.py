@@ -95,3 +95,18 @@ def test_show_index_out_of_range_exits_2(tmp_path: Path, capsys: pytest.CaptureF
     for index in ("1", "-1"):
         assert main(["puzzles", "show", str(good), "--index", index]) == 2
         assert "out of range" in capsys.readouterr().err
+
+
+def test_out_that_is_a_folder_fails_before_generating(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "puzzles.jsonl").write_text("kept\n")
+    assert main(["puzzles", "generate", "--n", "1", "--workers", "1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {tmp_path} is a folder" in err
+    assert (tmp_path / "puzzles.jsonl").read_text() == "kept\n"
+
+
+def test_existing_file_is_replaced_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "p.jsonl"
+    out.write_text("old\n")
+    assert main(["puzzles", "generate", "--n", "2", "--workers", "1", "--quiet", "--out", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 2 and [p.name for p in tmp_path.iterdir()] == ["p.jsonl"]

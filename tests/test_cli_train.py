@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,126 @@ def test_console_script_exit_code(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith("sleuth: error: config key 'loop.iterations'")
     assert json.dumps  # stdout stays empty on errors
     assert proc.stdout == ""
+
+
+# ---------------------------------------------------------------- reliability: run directories
+
+from test_loop import TASK_SOURCE, overrides  # noqa: E402  (the loop tests' tiny task and settings)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tiny, tmp_path_factory):
+    """A finished 2-iteration run of the tiny model (checkpoints 1 and 2), copied by each test."""
+    from io import StringIO
+
+    from sleuth.loop import train
+
+    root = tmp_path_factory.mktemp("trained")
+    task_file = root / "lowercase_task.py"
+    task_file.write_text(TASK_SOURCE)
+    args = [*overrides(tiny, task_file, iterations=2), "loop.evaluate=false"]
+    train(load_config(default_config_path(), args), root / "run", out=StringIO())
+    return root / "run"
+
+
+def copy_run(run: Path, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run, dest)
+    return dest
+
+
+def one_error_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("sleuth: error: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_new_run_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
+    out = tmp_path / "mine"
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "weights.bin").write_bytes(b"precious")
+    (out / "config.yaml").write_text("my: own\n")
+    assert main(["train", "--out", str(out), "loop.iterations=1"]) == 2
+    assert "is not empty and is not a sleuth run" in one_error_line(capsys.readouterr().err)
+    assert (out / "model" / "weights.bin").read_bytes() == b"precious"
+    assert (out / "config.yaml").read_text() == "my: own\n"
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "model"]
+    file_out = tmp_path / "afile"
+    file_out.write_text("x")
+    assert main(["train", "--out", str(file_out)]) == 2
+    assert "is a file, not a folder" in one_error_line(capsys.readouterr().err)
+
+
+def test_a_locked_run_is_refused_naming_the_holder(trained_run, tmp_path, capsys):
+    run = copy_run(trained_run, tmp_path / "run")
+    code = ("import sys; from sleuth.fsio import FolderLock; FolderLock(sys.argv[1]).acquire(); "
+            "print('locked', flush=True); sys.stdin.readline()")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(run)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = read_tree(run)
+        assert main(["train", "--resume", str(run)]) == 2
+        assert f"in use by another sleuth process (pid {holder.pid})" in one_error_line(capsys.readouterr().err)
+        assert read_tree(run) == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def read_tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+def test_failed_resume_never_rewrites_the_config(trained_run, tmp_path, capsys):
+    run = copy_run(trained_run, tmp_path / "run")
+    before = read_tree(run)
+    assert main(["train", "--resume", str(run), "trainer.lr=-1"]) == 2  # invalid: refused at load
+    one_error_line(capsys.readouterr().err)
+    assert main(["train", "--resume", str(run), f"model.path={tmp_path / 'gone'}"]) == 2  # fails at start
+    assert "is neither a folder nor a known alias" in one_error_line(capsys.readouterr().err)
+    assert read_tree(run) == before
+
+
+def test_resume_refuses_a_planted_pickle_and_runs_nothing(trained_run, tmp_path, capsys):
+    """A crafted trainer.pt (with a manifest to match) must not execute on --resume."""
+    import pickle
+
+    from sleuth.checkpoint import write_manifest
+
+    run = copy_run(trained_run, tmp_path / "run")
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    for ckpt in (run / "checkpoints").iterdir():
+        (ckpt / "trainer.pt").write_bytes(pickle.dumps({"optimizer": Exploit()}))
+        (ckpt / "manifest.json").unlink()
+        write_manifest(ckpt)
+    before = read_tree(run)
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "none of the 2 checkpoints" in one_error_line(err)
+    assert "only code execution could load; refused" in err
+    assert not marker.exists()
+    assert read_tree(run) == before
+
+
+def test_resume_announces_user_code_before_importing_it(trained_run, tmp_path, capsys):
+    """A run directory's config names code; --resume says which before anything imports it."""
+    run = copy_run(trained_run, tmp_path / "run")
+    marker = tmp_path / "imported"
+    planted = tmp_path / "planted.py"
+    planted.write_text(f"open({str(marker)!r}, 'w').write('ran')\ndef problems(cfg):\n    return []\n")
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace(str(trained_run.parent / "lowercase_task.py"), str(planted)))
+    main(["train", "--resume", str(run), "loop.iterations=0"])  # invalid: stops after the config loads
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (f"sleuth: note: {config} names code that this run imports and runs: "
+                      f"task.name={planted}:problems ({planted})")
+    assert marker.exists()  # validating the config imports it: hence the note before

@@ -65,3 +65,33 @@ def test_every_field_documented():
     undocumented = [k for k, d in walk(Config) if not d and k.split(".")[-1] not in {"temperature", "top_p", "betas", "warmup_steps", "weight_decay"}]
     assert not undocumented, undocumented
     assert "trainer.lr" in valid_keys()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("loop.iterations=true", "config key 'loop.iterations': expected a number, not a boolean"),
+    ("trainer.lr=.inf", "config key 'trainer.lr': Input should be a finite number"),
+    ("rollout.temperature=.nan", "config key 'rollout.temperature': Input should be a finite number"),
+    ("trainer.betas=[0.9,1.0]", "config key 'trainer.betas.1': Input should be less than 1"),
+    ("trainer.betas=[-0.1,0.9]", "config key 'trainer.betas.0': Input should be greater than or equal to 0"),
+    ("trainer.betas=[true,0.9]", "config key 'trainer.betas': expected a number, not a boolean"),
+    ("eval.price_per_million_tokens=nan", "Input should be a finite number"),
+])
+def test_numbers_are_finite_in_range_and_not_booleans(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_duplicate_keys_and_binary_files_are_refused(tmp_path):
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("loop:\n  iterations: 2\ntrainer:\n  lr: 1.0e-5\nloop:\n  seed: 3\n")
+    with pytest.raises(ConfigError, match=r"dup.yaml: line 5: key 'loop' is given twice"):
+        load_config(dup)
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ConfigError, match=r"model.bin is not a text file \(not UTF-8\)"):
+        load_config(binary)
+    nul = tmp_path / "nul.yaml"
+    nul.write_bytes(b"loop:\x00\n")
+    with pytest.raises(ConfigError, match="holds NUL bytes"):
+        load_config(nul)

@@ -88,18 +88,26 @@ def test_loop_trains_logs_and_checkpoints(setup_files, tmp_path):
 
     rows = read_metrics(run)
     assert [r["iteration"] for r in rows] == [0, 1, 2]
-    assert "val_reward" in rows[0] and "reward_mean" not in rows[0]
+    assert "val/reward" in rows[0] and "rollout/reward_mean" not in rows[0]
     for r in rows[1:]:
-        for key in ("reward_mean", "time_rollout_s", "time_score_s", "time_train_s", "time_sync_s", "tokens"):
+        for key in ("rollout/reward_mean", "rollout/tokens", "train/tokens", "train/loss", "time/rollout_s",
+                    "time/score_s", "time/train_s", "time/sync_s", "time/iteration_s", "sync/bytes"):
             assert key in r, key
-        assert 0 < r["reward_mean"] < 1
-        assert r["tokens"] == pytest.approx(r["completion_tokens_mean"] * 2 * 4)
-    assert "val_reward" in rows[2] and "val_reward" not in rows[1]
+        # every key is namespaced (no flat names, no renamed clashes)
+        assert all(k == "iteration" or k.split("/")[0] in ("rollout", "train", "sync", "val", "time") for k in r)
+        assert 0 < r["rollout/reward_mean"] < 1
+        assert r["rollout/tokens"] == pytest.approx(r["rollout/completion_tokens_mean"] * 2 * 4)
+        # LoRA on the transformers engine: only the adapter moves (rank 4 on every linear layer)
+        assert r["sync/adapter"] == 1.0 and 0 < r["sync/bytes"] < 200_000
+    assert "val/reward" in rows[2] and "val/reward" not in rows[1]
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for key in {k.replace("@2", "@K") for r in rows for k in r}:
+        assert f"`{key}`" in readme, f"README does not list the metric {key}"
 
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts == ["iter-000001", "iter-000002"]
     state = json.loads((run / "checkpoints" / "iter-000002" / "state.json").read_text())
-    assert state["data_position"] == 4 and state["val_reward"] == pytest.approx(rows[2]["val_reward"])
+    assert state["data_position"] == 4 and state["val_reward"] == pytest.approx(rows[2]["val/reward"])
     assert (run / "model" / "config.json").is_file()
 
     text = out.getvalue().splitlines()
@@ -205,8 +213,8 @@ def test_loop_with_vllm_engine(setup_files, tmp_path):
     assert result.iterations_done == 2
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     for r in rows[1:]:
-        assert 0 < r["reward_mean"] < 1 and r["tokens"] > 0
-        assert r["groups"] == 2
+        assert 0 < r["rollout/reward_mean"] < 1 and r["rollout/tokens"] > 0
+        assert r["train/groups"] == 2
     # The weights really moved and were synced: the merged model differs from the base.
     base = load_file(str(tiny / "model.safetensors"))
     merged = load_file(str(tmp_path / "run" / "model" / "model.safetensors"))

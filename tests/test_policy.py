@@ -118,3 +118,14 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir: Path) -> None
 def test_missing_model_folder_is_a_user_error(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="neither a folder nor a known alias"):
         Policy.from_config(cfg(tmp_path / "nope", True), need_reference=False)
+
+
+@pytest.mark.parametrize(("lora_dtype", "expected"), [("float32", torch.float32), ("base", torch.bfloat16)])
+def test_lora_adapter_dtype(tiny_dir: Path, lora_dtype: str, expected: torch.dtype) -> None:
+    """On a bf16 base, adapters are float32 (PEFT's autocast) or the base's dtype when asked."""
+    model_cfg = ModelConfig(path=str(tiny_dir), dtype="bfloat16",
+                            lora=LoraConfig(enabled=True, rank=4, dtype=lora_dtype))
+    policy = Policy.from_config(model_cfg, need_reference=False)
+    dtypes = {p.dtype for p in policy.trainable_parameters()}
+    assert dtypes == {expected}
+    assert next(policy.causal_lm.parameters()).dtype == torch.bfloat16

@@ -16,15 +16,25 @@ import pytest
 
 from sleuth.cli import main
 from sleuth.config import Config, LoggingConfig, dump_config
-from sleuth.metrics import MetricsWriter
-from sleuth.report import fit_power_law, load_eval_summaries, pareto_frontier, select_samples, write_report
+from sleuth.metrics import MetricsWriter, upgrade_row
+from sleuth.report import (
+    fit_power_law,
+    load_eval_summaries,
+    load_run,
+    pareto_frontier,
+    select_samples,
+    write_report,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_PLOTS = {"reward", "val_power_law", "completion_len", "entropy_kl", "clip_frac", "loss", "time"}
 
 
-def make_run(run_dir: Path, iterations: int = 40, eval_every: int = 5, exponent: float = 0.3) -> Path:
-    """A run directory written through MetricsWriter, with validation on an exact power law."""
+def make_run(run_dir: Path, iterations: int = 40, eval_every: int = 5, exponent: float = 0.3,
+             flat: bool = False) -> Path:
+    """A run directory written through MetricsWriter, with validation on an exact power law.
+
+    flat: the metric names of runs written before the namespaces (reward_mean, time_rollout_s, ...)."""
     rng = np.random.default_rng(0)
     (run_dir).mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(Config()))
@@ -41,7 +51,7 @@ def make_run(run_dir: Path, iterations: int = 40, eval_every: int = 5, exponent:
                      "text": f"<answer>A & B</answer> it{it}"} for j in range(2)] + [
                     {"problem_id": f"p{j}", "reward": 0.0, "kind": "worst", "text": "<script>x</script>"}
                     for j in range(2)])
-            w.log(it, m)
+            w.log(it, m if flat else upgrade_row(m))
     return run_dir
 
 
@@ -57,8 +67,8 @@ def test_fit_power_law_recovers_exponent_and_ignores_nonpositive_points() -> Non
 def test_power_law_fit_stops_at_the_best_validation_point() -> None:
     from sleuth.report import plot_power_law
 
-    rows = [{"iteration": it, "val_reward": 0.1 * it**0.5} for it in (1, 2, 4, 8, 16)]
-    rows += [{"iteration": 32, "val_reward": 0.2}, {"iteration": 64, "val_reward": 0.1}]  # decline
+    rows = [{"iteration": it, "val/reward": 0.1 * it**0.5} for it in (1, 2, 4, 8, 16)]
+    rows += [{"iteration": 32, "val/reward": 0.2}, {"iteration": 64, "val/reward": 0.1}]  # decline
     plot, fit = plot_power_law(rows)
     assert fit is not None and fit[1] == pytest.approx(0.5) and fit[0] == pytest.approx(0.1)
     assert plot is not None and "fitted up to the best validation point (iteration 16)" in plot.note
@@ -107,7 +117,7 @@ def test_missing_metric_keys_give_only_the_plots_with_data(tmp_path: Path) -> No
     run = tmp_path / "run"
     with MetricsWriter(run, LoggingConfig(tensorboard=False)) as w:
         for it in range(5):
-            w.log(it, {"reward_mean": it / 5, "time_rollout_s": 1.0})
+            w.log(it, {"rollout/reward_mean": it / 5, "time/rollout_s": 1.0})
     out = tmp_path / "out"
     page = write_report(run, out)
     assert {p.stem for p in out.glob("*.png")} == {"reward", "time"}
@@ -224,3 +234,14 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert attrs["data-samples"] == "6"
     # The browser shows the completion's text as written, not as markup.
     assert html.unescape(attrs["data-sample-text"]) == "<answer>A & B</answer> it0"
+
+
+def test_a_run_with_the_old_flat_names_reports_the_same(tmp_path: Path) -> None:
+    """Run directories written before the metric namespaces still give every plot and number."""
+    new, old = make_run(tmp_path / "new"), make_run(tmp_path / "old", flat=True)
+    assert "reward_mean" in (old / "metrics.jsonl").read_text()
+    assert '"rollout/reward_mean"' in (new / "metrics.jsonl").read_text()
+    assert load_run(old).metrics == load_run(new).metrics
+    pages = [write_report(run, tmp_path / f"out-{run.name}") for run in (new, old)]
+    assert {p.stem for p in (tmp_path / "out-old").glob("*.png")} == ALL_PLOTS
+    assert pages[0].read_text().replace("new", "old") == pages[1].read_text()

@@ -16,11 +16,10 @@ import torch
 
 from sleuth.config import RolloutConfig
 from sleuth.errors import ConfigError, UserError
-from sleuth.records import SamplingParams
+from sleuth.records import LoraAdapter, SamplingParams
 from sleuth.rollout import factory
 from sleuth.rollout.base import (
     GenerationRequest,
-    LoraAdapter,
     RolloutTimeoutError,
     moving_average_below,
 )
@@ -60,7 +59,7 @@ def engines(model_dir):
     def get(kind: str):
         if kind not in built:
             # A small KV cache (2 MiB: 16 blocks of 128 tokens for vLLM) so the limiter has work to do.
-            # vLLM serves LoRA natively here (hf merges), so test_sync_lora covers both paths.
+            # Both serve LoRA adapters: vLLM with its own LoRA layers, hf by applying B @ A to its weights.
             cfg = RolloutConfig(engine=kind, max_model_len=CONTEXT, kv_cache_gb=0.002, timeout_s=120,
                                 native_lora=kind == "vllm")
             built[kind] = make_engine(cfg, str(model_dir), "float32", seed=0)
@@ -199,7 +198,7 @@ def test_sync_lora_merges_adapter(engine, reference):
         merged[name] += delta
     request = [req(2, 16, seed=11)]
     before = tokens_of(engine.generate_all(request))
-    assert engine.native_lora == (engine.__class__.__name__ == "VLLMEngine")
+    assert engine.native_lora
     engine.sync_lora(adapter)
     try:
         out = engine.generate_all(request)[0].samples[0]
@@ -402,7 +401,7 @@ def test_adapter_folder_is_a_peft_adapter(tmp_path, reference):
     # The folder vLLM's native LoRA path loads: PEFT must read it back to the same merged weights.
     from peft import PeftModel
 
-    from sleuth.rollout.base import write_adapter
+    from sleuth.rollout.vllm_engine import write_adapter
 
     gen = torch.Generator().manual_seed(1)
     tensors = {}

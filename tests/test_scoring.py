@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import sys
 import threading
 import time
 
@@ -48,6 +50,14 @@ class BehaviourTask(Task):
             return "1"  # type: ignore[return-value]
         if kind == "exit":
             os._exit(3)
+        if kind == "sysexit":
+            sys.exit(4)
+        if kind == "huge":
+            return float(arg)
+        if kind == "bigint":
+            return 10**400
+        if kind == "keyboard":
+            raise KeyboardInterrupt
         raise AssertionError(kind)
 
     def chance_reward(self, problem: Problem) -> float | None:
@@ -151,3 +161,41 @@ def test_score_groups_with_a_task_and_chance_level() -> None:
 def test_bad_timeout() -> None:
     with pytest.raises(ValueError):
         VerifierRunner(BehaviourTask(), timeout_s=0)
+
+
+@pytest.mark.parametrize("isolation", ["inline", "process"])
+def test_values_that_are_not_rewards_are_errors(isolation: str) -> None:
+    """A string, a non-finite or huge number, sys.exit: scored 0 and counted, never an exception."""
+    texts = ["str:", "nan:", "huge:1e308", "huge:-1e7", "bigint:", "sysexit:", "ok:1e6", "ok:0.5"]
+    with VerifierRunner(BehaviourTask(), timeout_s=5, isolation=isolation) as runner:  # type: ignore[arg-type]
+        outcomes = runner.score([(PROBLEM, t) for t in texts])
+    assert [o.reward for o in outcomes] == [0.0] * 6 + [1e6, 0.5]
+    assert [o.error for o in outcomes] == [True] * 6 + [False, False]
+    assert "returned str, not a number" in outcomes[0].message
+    assert "outside [-1e+06, 1e+06]" in outcomes[2].message
+    assert outcomes[5].message == "verifier called sys.exit(4)"
+    groups = groups_of([texts])
+    stats = score_groups(BehaviourTask(), groups) if isolation == "process" else None
+    if stats is not None:
+        assert stats.verifier_errors == 6 and stats.first_error == "verifier returned str, not a number"
+
+
+def test_all_failed_warning_names_the_first_error() -> None:
+    stats = score_groups(VerifierRunner(BehaviourTask(), 5, "inline"), groups_of([["str:", "raise:"]]))
+    assert stats.all_failed_warning("iteration 3") == (
+        "every verifier call of iteration 3 failed (2 of 2); the first: verifier returned str, not a number")
+    ok = score_groups(VerifierRunner(BehaviourTask(), 5, "inline"), groups_of([["str:", "ok:1"]]))
+    assert ok.all_failed_warning("iteration 3") is None
+
+
+def test_inline_keyboard_interrupt_becomes_a_stop_request() -> None:
+    """Inline, a verifier's KeyboardInterrupt is scored 0 and delivered again as SIGINT (what makes
+    `sleuth train` checkpoint and stop); it does not escape from the scoring call."""
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        outcome = call_inline(BehaviourTask(), PROBLEM, "keyboard:", 5.0)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert outcome.error and outcome.message == "verifier raised KeyboardInterrupt"
+    assert received == [signal.SIGINT]

@@ -302,3 +302,56 @@ def test_step_reports_each_packed_row_for_a_progress_bar() -> None:
     rows = int(out["rows"])
     assert rows >= 2
     assert calls == [(i, 2 * rows) for i in range(1, 2 * rows + 1)]
+
+
+USER_ALGOS = '''
+from sleuth.train.advantages import grpo
+from sleuth.train.losses import ppo_clip
+
+
+def doubled(rewards):
+    return [2.0 * a for a in grpo(rewards)]
+
+
+def winners_only(rewards):
+    return [max(a, 0.0) for a in grpo(rewards)]
+
+
+def reversed_ppo(logp, old_logp, advantages, token_seq, clip_low, clip_high):
+    return ppo_clip(logp, old_logp, -advantages, token_seq, clip_low, clip_high)
+'''
+
+
+def _one_step(advantage: str, loss: str, groups: list[Group]) -> tuple[float, list[torch.Tensor]]:
+    """(loss, weight change) of one step from the same start with the named algorithm."""
+    policy = make_policy(False, seed=6)
+    before = [p.detach().clone() for p in policy.trainable_parameters()]
+    algo = AlgorithmConfig(advantage=advantage, loss=loss, tis_cap=None)
+    trainer = Trainer(policy, algo, TrainerConfig(lr=1e-3, row_tokens=64, self_check=False), max_tokens=8)
+    kept, _ = compute_advantages(groups, algo.advantage, drop_zero=True)
+    out = trainer.step(kept)
+    return out["loss"], [p.detach() - b for p, b in zip(policy.trainable_parameters(), before, strict=True)]
+
+
+def test_user_advantage_and_loss_change_the_update(tmp_path: Path) -> None:
+    """A user advantage (2 x GRPO) doubles the loss, another (GRPO's positive part) moves the weights
+    differently; a user loss (PPO with the advantage negated) negates the loss and moves every weight
+    the opposite way (Adam's first step is sign(g) x lr, so 2 x GRPO alone moves them the same)."""
+    algos = tmp_path / "my_algos.py"
+    algos.write_text(USER_ALGOS)
+    groups = random_groups(11)
+    for g in groups:  # rewards that are not constant within a group, so GRPO keeps every group
+        g.completions[0].reward, g.completions[1].reward = 1.0, 0.0
+    base_loss, base_delta = _one_step("grpo", "ppo_clip", groups)
+    adv_loss, adv_delta = _one_step(f"{algos}:doubled", "ppo_clip", groups)
+    neg_loss, neg_delta = _one_step("grpo", f"{algos}:reversed_ppo", groups)
+    _, pos_delta = _one_step(f"{algos}:winners_only", "ppo_clip", groups)
+    assert base_loss != 0.0
+    assert adv_loss == pytest.approx(2 * base_loss, rel=1e-5)
+    assert neg_loss == pytest.approx(-base_loss, rel=1e-5)
+    moved = [d for d in base_delta if d.abs().max() > 0]
+    assert moved
+    for b, a, n in zip(base_delta, adv_delta, neg_delta, strict=True):
+        torch.testing.assert_close(n, -b, rtol=1e-3, atol=1e-7)
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-7)
+    assert any(not torch.allclose(p, b, atol=1e-7) for p, b in zip(pos_delta, base_delta, strict=True))

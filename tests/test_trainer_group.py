@@ -22,6 +22,8 @@ from sleuth.train.policy import Policy
 from sleuth.train.step import Trainer
 from test_step import random_groups
 
+NICENESS = "RAY_worker_niceness"  # Ray's spelling (ray_constants.RAY_WORKER_NICENESS)
+
 
 def make_config(tiny: Path) -> Config:
     return load_config(None, [
@@ -41,16 +43,16 @@ def single_process(cfg: Config) -> tuple[Policy, Trainer]:
 @pytest.fixture(scope="module")
 def local_ray():
     # Ray runs its workers at nice 15: on a machine busy with other work they would starve.
-    previous = os.environ.get("RAY_worker_niceness")
-    os.environ["RAY_worker_niceness"] = "0"
+    previous = os.environ.get(NICENESS)
+    os.environ[NICENESS] = "0"
     ray.init(address="local", num_cpus=2, object_store_memory=100 * 1024**2, include_dashboard=False,
              log_to_driver=False)
     yield
     ray.shutdown()
     if previous is None:
-        del os.environ["RAY_worker_niceness"]
+        del os.environ[NICENESS]
     else:
-        os.environ["RAY_worker_niceness"] = previous
+        os.environ[NICENESS] = previous
 
 
 @pytest.mark.slow

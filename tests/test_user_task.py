@@ -122,3 +122,50 @@ def test_readme_code_matches_the_example_module(in_repo: None) -> None:
     for text in ["5", "120\n121", "none", "-121"]:
         assert namespace["verify"](121, text) == verify(121, text)
     assert "sleuth train task.name=examples.my_task:problems" in section
+
+
+@pytest.mark.parametrize("source, message", [
+    ("def problems(cfg):\n    x = = 1\n", "syntax error at {file}:2"),
+    ("import json\nraise RuntimeError('broken at import')\n", "RuntimeError: broken at import (at {file}:2)"),
+    ("def problems(cfg):\n    return [1][5]\ndef verify(a, t):\n    return 1\n",
+     "raised: IndexError: list index out of range (at {file}:2)"),
+    ("def problems(cfg):\n    yield {'prompt': 'p', 'answer': 1}\n    raise ValueError('no more')\n"
+     "def verify(a, t):\n    return 1\n",
+     "failed while yielding problem 1: ValueError: no more (at {file}:3)"),
+])
+def test_user_code_errors_name_the_users_file_and_line(tmp_path: Path, source: str, message: str) -> None:
+    from sleuth.errors import UserError
+
+    path = write(tmp_path, "broken_task", source)
+    with pytest.raises(UserError) as err:
+        build_task(TaskConfig(name=f"{path}:problems"))  # the import fails when the config loads
+    text = str(err.value)
+    assert message.format(file=path) in text and "\n" not in text, text
+
+
+def test_cli_reports_a_broken_task_file_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from sleuth.cli import main
+
+    path = write(tmp_path, "broken_task", "def problems(cfg):\n    return [\n")
+    assert main(["train", "--dry-run", f"task.name={path}:problems"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"sleuth: error: cannot import user task file {path}: "
+                                                f"syntax error at {path}:2"), err
+
+
+def test_endless_problems_are_taken_lazily(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import sleuth.tasks.user as user
+
+    monkeypatch.setattr(user, "LAZY_AFTER", 50)  # the real threshold is 100,000 problems
+    path = write(tmp_path, "endless", (
+        "import itertools\n"
+        "def problems(cfg):\n"
+        "    for i in itertools.count():\n"
+        "        yield {'id': f'p{i}', 'prompt': str(i), 'answer': i, 'split': 'eval' if i % 10 == 0 else 'train'}\n"
+        "def verify(answer, text):\n    return float(text == str(answer))\n"))
+    task = build_task(TaskConfig(name=f"{path}:problems", eval_size=3))
+    assert task.lazy and "yields more than 50 problems" in capsys.readouterr().err
+    assert [p.id for p in task.eval_problems()] == ["p0", "p10", "p20"]
+    assert [task.train_problem(i).id for i in (0, 1, 8, 9)] == ["p1", "p2", "p9", "p11"]
+    assert task.train_problem(500).id == "p556"  # read on demand, in the order given

@@ -3,25 +3,96 @@
     cfg = load_config("cfg.yaml", ["trainer.lr=1e-5", "rollout.engine=hf"])
 
 Every field has its default and its documentation right here, next to it. An unknown or
-mistyped key raises ConfigError naming the key and the nearest valid one.
+mistyped key raises ConfigError naming the key and the nearest valid one. Names that pick from a
+registry (task, rollout engine, advantage, loss, aggregation) are checked here too, with the nearest
+valid names in the error; user code named as "module:function" is imported and checked (callable,
+right number of arguments) here, so a typo fails before any model loads.
 """
 
 from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from sleuth.errors import ConfigError
 
 
-class Section(BaseModel):
-    """Base for every config section: unknown keys are errors, assignments are validated."""
+def _checked(key: str, check: Any, value: str) -> str:
+    """Run a registry check (it raises ConfigError) and put the config key in front of its message.
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    ConfigError is not a ValueError, so pydantic lets it through unchanged: constructing a
+    section directly (TaskConfig(name=...)) raises the same one-line error as load_config.
+    """
+    try:
+        check(value)
+    except ConfigError as e:
+        raise ConfigError(f"config key '{key}': {e}") from None
+    return value
+
+
+def _check_task(name: str) -> None:
+    from sleuth.plugins import is_spec, load_function, unknown_name
+    from sleuth.tasks.registry import TASKS
+
+    if is_spec(name.strip()):
+        load_function(name.strip(), 1, "user task", "problems(cfg: TaskConfig) -> iterable of dicts or a Task")
+    elif name.strip() not in TASKS:
+        raise ConfigError(unknown_name("task", name, TASKS))
+
+
+def _check_verifier(spec: str) -> None:
+    from sleuth.plugins import load_function
+
+    load_function(spec, 2, "verifier", "verify(answer, completion_text) -> float")
+
+
+def _check_advantage(name: str) -> None:
+    from sleuth.train.advantages import ESTIMATORS
+
+    ESTIMATORS.resolve(name)
+
+
+def _check_loss(name: str) -> None:
+    from sleuth.train.losses import LOSSES
+
+    LOSSES.resolve(name)
+
+
+_check_algorithm = {"advantage": _check_advantage, "loss": _check_loss}
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys are errors, assignments are validated, numbers
+    are finite (no .inf / .nan) and a boolean is never taken for a number (iterations=true is not 1)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        items = value if isinstance(value, list | tuple) else [value]
+        if field is not None and any(isinstance(v, bool) for v in items) and _is_numeric(field.annotation):
+            raise ValueError("expected a number, not a boolean")
+        return value
+
+
+def _is_numeric(annotation: Any) -> bool:
+    """Whether a field holds numbers: int, float, an optional one, or a tuple of them."""
+    if annotation in (int, float):
+        return True
+    if get_origin(annotation) is Annotated:
+        return _is_numeric(get_args(annotation)[0])
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    return bool(args) and get_origin(annotation) is not Literal and all(_is_numeric(a) for a in args)
+
+
+Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 class LoraConfig(Section):
@@ -35,6 +106,10 @@ class LoraConfig(Section):
     """Dropout on the LoRA input."""
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """Module names to adapt, or "all-linear" for every linear layer except the output head."""
+    dtype: Literal["float32", "base"] = "float32"
+    """Adapter weights in float32 (PEFT's default: exact small updates, but on a bf16 base every
+    adapted layer casts its input, thousands of extra kernels per GPU step) or in the base model's
+    dtype (no casts; AdamW then updates bf16 weights, which rounds updates below ~1/256 of a weight)."""
 
 
 class ModelConfig(Section):
@@ -63,7 +138,7 @@ class TaskConfig(Section):
     """A data file of held-out problems. None: a fixed generated set (temporal_clue) or train_path."""
     eval_size: int = Field(16, ge=1)
     """How many held-out problems to evaluate on (the first N, fixed across the run)."""
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     """Seed of the training stream: generated puzzle i uses a seed derived from this and i; problems
     from a file are visited in epoch-wise permutations seeded by it."""
     dataset: str | None = None
@@ -78,11 +153,20 @@ class TaskConfig(Section):
     verifier_isolation: Literal["process", "inline"] = "process"
     """process: run verifiers in a worker process that is killed and restarted when a call
     exceeds verifier_timeout_s (enforces the limit even on C-level hangs); inline: run them in the
-    calling process, limited by a SIGALRM timer (main thread only; cannot stop C code)."""
+    calling process, limited by a SIGALRM timer (main thread only; cannot stop C code). Inline, a
+    verifier's sys.exit is caught and scored 0 and its KeyboardInterrupt stops the run as Ctrl-C does
+    (checkpoint first), but nothing protects the run from os._exit or a crash of the interpreter:
+    use process isolation for verifiers you do not trust."""
     verifier_workers: int = Field(1, ge=1)
     """Worker processes for verifiers in process isolation (more for slow verifiers like math)."""
     system_prompt: str | None = None
     """A system message put before every problem's prompt (None: the prompt is the only message)."""
+
+    @field_validator("name", "verifier")
+    @classmethod
+    def _loadable(cls, v: str | None, info: ValidationInfo) -> str | None:
+        check = _check_task if info.field_name == "name" else _check_verifier
+        return v if v is None else _checked(f"task.{info.field_name}", check, v)
 
 
 class RolloutConfig(Section):
@@ -96,7 +180,7 @@ class RolloutConfig(Section):
     """Maximum new tokens per completion."""
     stop: list[str] = Field(default_factory=list)
     """Extra stop strings (EOS always stops)."""
-    max_concurrency: int | None = None
+    max_concurrency: int | None = Field(None, ge=1)
     """Most sequences in flight at once; None: vLLM admits samples while their expected KV blocks
     fit its cache (no preemption), the hf engine decodes 64 rows at a time."""
     early_stop_logprob: float | None = Field(None, lt=0)
@@ -110,17 +194,24 @@ class RolloutConfig(Section):
     """vLLM on CPU: KV cache size in GiB."""
     max_model_len: int | None = Field(None, ge=2)
     """Context length (prompt + completion) of the engine; None: the model's own."""
+    hf_decode: Literal["auto", "dynamic", "static", "cuda_graphs"] = "auto"
+    """hf engine decode steps: dynamic (growing cache), static (fixed shapes, device-side step
+    counter), cuda_graphs (static steps captured as CUDA graphs; static off CUDA); auto: cuda_graphs
+    on CUDA, dynamic on the CPU (where it is the faster one)."""
     native_lora: bool = False
     """vLLM: serve the LoRA adapter with vLLM's own LoRA support (CPU and GPU) instead of syncing
-    merged full weights (the hf engine always merges)."""
+    merged full weights. The hf engine always applies the adapter itself; with LoRA on an engine that
+    serves adapters only the adapter moves each iteration (sleuth.sync)."""
 
 
 class AlgorithmConfig(Section):
     advantage: str = "grpo"
-    """Advantage estimator: grpo, dr_grpo or rloo."""
+    """Advantage estimator: grpo, dr_grpo, rloo, a name registered with @register_advantage, or a
+    user function "module:function" / "path/file.py:function" called as fn(rewards) -> advantages."""
     loss: str = "ppo_clip"
-    """Policy loss: ppo_clip (token-level ratio) or gspo (sequence-level ratio)."""
-    clip_low: float = Field(0.2, ge=0)
+    """Policy loss: ppo_clip (token-level ratio), gspo (sequence-level ratio), a name registered with
+    @register_loss, or a user "module:function" with the built-ins' signature (see train/losses.py)."""
+    clip_low: float = Field(0.2, ge=0, lt=1)
     """Lower clip: ratio >= 1 - clip_low."""
     clip_high: float = Field(0.28, ge=0)
     """Upper clip: ratio <= 1 + clip_high (DAPO clip-higher)."""
@@ -129,11 +220,16 @@ class AlgorithmConfig(Section):
     aggregation: Literal["token_mean", "seq_mean_token_mean", "constant"] = "token_mean"
     """How token losses become one number: mean over all tokens of the batch, mean over sequences of
     per-sequence token means, or Dr.GRPO's sum divided by a constant (max_tokens x sequences)."""
-    tis_cap: float | None = 2.0
+    tis_cap: float | None = Field(2.0, gt=0)
     """Truncated importance sampling cap C: weight tokens by min(exp(logp_old - logp_engine), C),
     where logp_old is the trainer's own logprob before the update. None disables it."""
     drop_zero_advantage: bool = True
     """Drop groups whose advantages are all zero before packing (they carry no gradient)."""
+
+    @field_validator("advantage", "loss")
+    @classmethod
+    def _known(cls, v: str, info: ValidationInfo) -> str:
+        return _checked(f"algorithm.{info.field_name}", _check_algorithm[info.field_name], v)
 
 
 class TrainerConfig(Section):
@@ -145,8 +241,8 @@ class TrainerConfig(Section):
     """Optimizer steps of linear warm-up (warmup and cosine schedules)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW decoupled weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW (beta1, beta2)."""
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    """AdamW (beta1, beta2), each in [0, 1)."""
     grad_clip: float = Field(1.0, gt=0)
     """Clip the global gradient norm to this."""
     row_tokens: int = Field(4096, ge=16)
@@ -171,7 +267,7 @@ class LoopConfig(Section):
     """Write a checkpoint every N iterations (0: only at the end)."""
     keep_checkpoints: int = Field(2, ge=1)
     """Keep the last N checkpoints (the best by validation reward is kept too)."""
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     """Seed of everything random in the run (sampling, init, data order)."""
     deterministic: bool = False
     """Deterministic torch algorithms and seeded sampling, so a resumed run matches exactly."""
@@ -181,7 +277,7 @@ class EvalConfig(Section):
     k: int = Field(4, ge=1)
     """Samples per held-out problem (avg@k, pass@k, maj@k)."""
     temperature: float = Field(1.0, ge=0)
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
     """Max new tokens at evaluation; None: rollout.max_tokens."""
     price_per_million_tokens: float = Field(0.0, ge=0)
     """For the estimated cost per problem in `sleuth eval`."""
@@ -238,6 +334,26 @@ def _nearest(key: str) -> str:
     return match[0] if match else ""
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _value in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise DuplicateKeyError(f"line {key_node.start_mark.line + 1}: key '{key}' is given twice")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
+
+
 def _parse_value(text: str) -> Any:
     try:
         return yaml.safe_load(text)
@@ -265,7 +381,13 @@ def _raise_from(err: ValidationError) -> None:
         raise ConfigError(f"unknown config key '{key}'{hint}") from None
     got = first.get("input")
     got_text = f", got {got!r}" if not isinstance(got, dict) else ""
-    raise ConfigError(f"config key '{key}': {first['msg']}{got_text}") from None
+    if first["type"] == "literal_error" and isinstance(got, str):  # a fixed set of names: suggest one
+        from sleuth.plugins import unknown_name
+
+        choices = [c.strip(" '") for c in first["ctx"]["expected"].replace(" or ", ", ").split(",")]
+        raise ConfigError(f"config key '{key}': {unknown_name('value', got, choices, spec_ok=False)}") from None
+    message = first["msg"].removeprefix("Value error, ")
+    raise ConfigError(f"config key '{key}': {message}{got_text}") from None
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
@@ -282,11 +404,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if path is not None:
         p = Path(path)
         try:
-            text = p.read_text()
+            text = p.read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {p} is not a text file (not UTF-8)") from None
+        if "\x00" in text:
+            raise ConfigError(f"config file {p} is not a text file (it holds NUL bytes)")
         try:
-            loaded = yaml.safe_load(text)
+            loaded = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
+        except DuplicateKeyError as e:
+            raise ConfigError(f"config file {p}: {e}") from None
         except yaml.YAMLError as e:
             where = getattr(e, "problem_mark", None)
             line = f" line {where.line + 1}" if where is not None else ""

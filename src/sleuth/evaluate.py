@@ -83,6 +83,11 @@ class EvalResult:
     per_problem: list[float] = field(default_factory=list)
     """avg@k of each problem, in order (paired comparisons between two evaluations)."""
     records: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    verifier_errors: int = 0
+    """Samples whose verifier failed (scored 0), timeouts included."""
+    verifier_timeouts: int = 0
+    warning: str | None = None
+    """Set when every verifier call failed: the evaluation measured nothing."""
 
     def summary(self) -> dict[str, Any]:
         """Everything but the per-sample records (what summary.json and metrics hold)."""
@@ -169,7 +174,7 @@ def evaluate(
         for i, (p, ids) in enumerate(zip(problems, prompts, strict=True))
     ]
     groups = to_groups(problems, prompts, engine.generate_all(requests))
-    score_groups(verifier, groups)
+    stats = score_groups(verifier, groups)
     key_of = answer_key_fn(task)
     has_key = callable(getattr(task, "answer_key", None))
     rewards, keys, tokens, records = [], [], [], []
@@ -189,6 +194,8 @@ def evaluate(
             records.append(record)
     out = summarize(rewards, keys, k, tokens, chance_level(task, problems))
     out.records = records
+    out.verifier_errors, out.verifier_timeouts = stats.verifier_errors, stats.verifier_timeouts
+    out.warning = stats.all_failed_warning("the evaluation")
     out.mean_prompt_tokens = sum(map(len, prompts)) / max(len(prompts), 1)
     out.time_s = time.perf_counter() - start
     return out

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,15 +23,17 @@ from typing import Any, TextIO
 import numpy as np
 import torch
 
+from sleuth import fsio
 from sleuth.checkpoint import CheckpointManager
 from sleuth.config import Config, dump_config
 from sleuth.evaluate import EvalResult, eval_sampling, evaluate, mean_se, to_groups
-from sleuth.metrics import MetricsWriter
+from sleuth.metrics import MetricsWriter, prefixed, timed
 from sleuth.models import encode_chat, resolve_model_path
 from sleuth.progress import Progress
 from sleuth.records import Group, Problem, SamplingParams
 from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
 from sleuth.scoring import VerifierRunner, score_groups
+from sleuth.sync import WeightSync
 from sleuth.tasks.base import Task
 from sleuth.train.advantages import compute_advantages
 from sleuth.train.policy import Policy
@@ -50,9 +50,10 @@ class Run:
     cfg: Config
     run_dir: Path
     task: Task
-    policy: Any
-    trainer: Any
+    policy: Policy
+    trainer: Trainer
     engine: RolloutEngine
+    sync: WeightSync
     writer: MetricsWriter
     checkpoints: CheckpointManager
     verifier: VerifierRunner
@@ -69,6 +70,8 @@ class RunResult:
     interrupted: bool
     val_before: dict[str, Any] | None
     val_after: dict[str, Any] | None
+    stop_signal: int = 0
+    """The signal that stopped an interrupted run (SIGINT or SIGTERM)."""
 
 
 def seed_everything(seed: int, iteration: int, deterministic: bool) -> None:
@@ -85,30 +88,40 @@ def request_seed(seed: int, iteration: int, index: int) -> int:
     return ((seed * 1_000_003 + iteration) * 4096 + index) % (2**31)
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""Ctrl-C, and what schedulers and `docker stop` send: both checkpoint, then stop."""
+
+
 class InterruptFlag:
-    """SIGINT sets a flag the loop checks between steps; a second SIGINT interrupts at once."""
+    """SIGINT or SIGTERM sets a flag the loop checks between steps (it then checkpoints and stops);
+    a second one interrupts at once."""
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous: Any = None
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> InterruptFlag:
-        try:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread: leave signals alone
-            self._previous = None
+        for sig in STOP_SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                break
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("sleuth: interrupt received, saving a checkpoint after this step "
-              "(press Ctrl-C again to stop at once)", file=sys.stderr)
+        name = signal.Signals(signum).name
+        self.signum = signum
+        print(f"sleuth: {name} received, saving a checkpoint after this step "
+              "(send it again to stop at once)", file=sys.stderr)
 
     def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
 
 
 def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
@@ -117,8 +130,6 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     from sleuth.tasks.registry import build_task
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
     seed_everything(cfg.loop.seed, 0, cfg.loop.deterministic)
     task = build_task(cfg.task)
     eval_problems = list(task.eval_problems())[: cfg.task.eval_size] if cfg.loop.evaluate else []
@@ -127,20 +138,24 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
                       max_tokens=cfg.rollout.max_tokens)
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.loop.keep_checkpoints)
     start, state = 0, {}
-    latest = checkpoints.latest() if resume else None
+    latest = checkpoints.restore_latest(policy, trainer) if resume else None
     if latest is not None:
-        state = checkpoints.restore(latest, policy, trainer)
+        state = latest.state
         start = int(state["iteration"])
         if (latest.path / "metrics.jsonl").exists():  # the metrics as they were at that checkpoint
-            (run_dir / "metrics.jsonl").write_bytes((latest.path / "metrics.jsonl").read_bytes())
+            fsio.write_bytes(run_dir / "metrics.jsonl", (latest.path / "metrics.jsonl").read_bytes())
+    # Written only now that the run has started (config valid, model and checkpoint loaded), so a
+    # failed start, e.g. a --resume with a bad override, never rewrites the run's config.
+    fsio.write_text(run_dir / "config.yaml", dump_config(cfg))
     writer = MetricsWriter(run_dir, cfg.logging, config=cfg.model_dump(mode="json"))
     if resume:  # forget what was logged after the checkpoint (everything, when there is none)
         writer.truncate_after(start if latest is not None else -1)
     engine = make_engine(cfg.rollout, str(resolve_model_path(cfg.model.path)), cfg.model.dtype, cfg.loop.seed)
+    sync = WeightSync(policy, engine)
     if start > 0:  # the engine starts from the base weights; give it the trained ones
-        engine.sync_weights(policy.sync_state())
+        sync.push()
     verifier = VerifierRunner.from_config(task, cfg.task)
-    return Run(cfg, run_dir, task, policy, trainer, engine, writer, checkpoints, verifier, eval_problems,
+    return Run(cfg, run_dir, task, policy, trainer, engine, sync, writer, checkpoints, verifier, eval_problems,
                start, state)
 
 
@@ -153,7 +168,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
     sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                               max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
     done = run.start_iteration
-    interrupted = False
+    interrupted, stop_signal = False, 0
     try:
         with InterruptFlag() as interrupt, progress:
             if run.start_iteration == 0 and run.eval_problems:
@@ -162,7 +177,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
                 print(f"held-out reward before training: {_val_text(before)}", file=out, flush=True)
             bar = progress.bar("iterations", total=L.iterations, completed=run.start_iteration)
             for it in range(run.start_iteration + 1, L.iterations + 1):
-                t_iter = time.perf_counter()
+                t_iter = time.perf_counter()  # time/iteration_s: every step, logging excluded
                 seed_everything(L.seed, it, L.deterministic)
                 metrics: dict[str, Any] = {}
 
@@ -171,42 +186,40 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
                 problems = [run.task.train_problem(i) for i in range(first, first + L.tasks_per_iteration)]
 
                 # 2. Generate samples_per_task completions per problem.
-                t = time.perf_counter()
-                prompts = [encode_chat(run.policy.tokenizer, p.messages) for p in problems]
-                requests = [
-                    GenerationRequest(ids, n=cfg.rollout.samples_per_task, request_id=f"{it}-{j}",
-                                      sampling=replace(sampling, seed=request_seed(L.seed, it, j)))
-                    for j, ids in enumerate(prompts)
-                ]
-                results = _generate(run.engine, requests, progress)
-                metrics["time_rollout_s"] = time.perf_counter() - t
+                with timed(metrics, "rollout"):
+                    prompts = [encode_chat(run.policy.tokenizer, p.messages) for p in problems]
+                    requests = [
+                        GenerationRequest(ids, n=cfg.rollout.samples_per_task, request_id=f"{it}-{j}",
+                                          sampling=replace(sampling, seed=request_seed(L.seed, it, j)))
+                        for j, ids in enumerate(prompts)
+                    ]
+                    results = _generate(run.engine, requests, progress)
                 if interrupt.requested:
                     break
 
                 # 3. Score every completion with the task's verifier (errors and timeouts score 0).
-                t = time.perf_counter()
-                groups = _score(run, problems, prompts, results, metrics)
-                metrics["time_score_s"] = time.perf_counter() - t
+                with timed(metrics, "score"):
+                    groups = _score(run, problems, prompts, results, metrics, it)
 
                 # 4. Group-relative advantages; all-zero groups carry no gradient and are dropped.
                 train_groups, adv_metrics = compute_advantages(
                     groups, cfg.algorithm.advantage, cfg.algorithm.drop_zero_advantage)
-                metrics.update(adv_metrics)
+                metrics.update(prefixed("train", adv_metrics))
                 if interrupt.requested:
                     break
 
                 # 5. Pack groups into rows (shared prompts) and take the optimizer step.
-                t = time.perf_counter()
-                # (an empty batch still counts as a step, so the schedule does not depend on luck)
-                step_metrics = _train_step(run, train_groups, progress)
-                metrics.update({f"train_{k}" if k in metrics else k: v for k, v in step_metrics.items()})
-                metrics["time_train_s"] = time.perf_counter() - t
+                with timed(metrics, "train"):
+                    # (an empty batch still counts as a step, so the schedule does not depend on luck)
+                    metrics.update(prefixed("train", _train_step(run, train_groups, progress)))
 
-                # 6. Sync the updated weights into the rollout engine, in place.
-                t = time.perf_counter()
+                # 6. Sync the updated weights into the rollout engine (adapter-only with LoRA where
+                #    the engine serves adapters, else full weights; sleuth.sync decides).
                 if train_groups:
-                    run.engine.sync_weights(run.policy.sync_state())
-                metrics["time_sync_s"] = time.perf_counter() - t
+                    metrics.update(run.sync.push().metrics())
+                else:  # no update, nothing to send
+                    metrics.update({"time/sync_s": 0.0, "sync/bytes": 0.0,
+                                    "sync/adapter": float(run.sync.mode == "adapter")})
 
                 # 7. Evaluate on the held-out set on schedule and after the last iteration.
                 val = None
@@ -216,7 +229,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
                     run.state["val_last"] = val.summary() | {"per_problem": val.per_problem}
 
                 # 8. Log, and checkpoint on schedule, at the end, or when interrupted.
-                metrics["time_iteration_s"] = time.perf_counter() - t_iter
+                metrics["time/iteration_s"] = time.perf_counter() - t_iter
                 run.writer.log(it, metrics)
                 print(_summary_line(it, L.iterations, metrics), file=out, flush=True)
                 done = it
@@ -226,7 +239,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
                     _checkpoint(run, it, val)
                 if interrupt.requested:
                     break
-            interrupted = interrupt.requested
+            interrupted, stop_signal = interrupt.requested, interrupt.signum
             latest = run.checkpoints.latest()
             if interrupted and (latest is None or latest.iteration < done):  # stopped mid-iteration
                 _checkpoint(run, done, None)
@@ -240,7 +253,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
     if not interrupted and before and after and done == L.iterations:
         print(f"held-out reward after training:  {_val_text_dict(after)}", file=out)
         print(_gain_text(before, after), file=out, flush=True)
-    return RunResult(run_dir, done, interrupted, before, after if done == L.iterations else None)
+    return RunResult(run_dir, done, interrupted, before, after if done == L.iterations else None,
+                     stop_signal if interrupted else 0)
 
 
 # ---------------------------------------------------------------- the steps' details
@@ -279,20 +293,22 @@ def _train_step(run: Run, groups: list[Group], progress: Progress) -> dict[str, 
 
 
 def _score(run: Run, problems: list[Problem], prompts: list[list[int]],
-           results: list[GenerationResult], metrics: dict[str, Any]) -> list[Group]:
+           results: list[GenerationResult], metrics: dict[str, Any], iteration: int) -> list[Group]:
     groups = to_groups(problems, prompts, results)
     stats = score_groups(run.verifier, groups)
+    if warning := stats.all_failed_warning(f"iteration {iteration}"):
+        print(f"sleuth: warning: {warning}", file=sys.stderr)
     completions = [c for g in groups for c in g.completions]
     lengths = [len(c.completion_ids) for c in completions]
     n = max(len(completions), 1)
     mean, se = mean_se([c.reward for c in completions])
-    metrics.update(
+    metrics.update(prefixed("rollout", dict(
         reward_mean=mean, reward_se=se, reward_max=max((c.reward for c in completions), default=0.0),
         verifier_errors=float(stats.verifier_errors), verifier_timeouts=float(stats.verifier_timeouts),
         completion_tokens_mean=sum(lengths) / n, tokens=sum(lengths),
         truncated_frac=sum(c.finish_reason == "length" for c in completions) / n,
-        tokens_per_s=sum(lengths) / max(metrics["time_rollout_s"], 1e-9),
-    )
+        tokens_per_s=sum(lengths) / max(metrics["time/rollout_s"], 1e-9),
+    )))
     return groups
 
 
@@ -305,6 +321,8 @@ def _evaluate(run: Run, iteration: int, progress: Progress) -> EvalResult:
                           run.verifier, seed=cfg.loop.seed + EVAL_SEED_OFFSET)
     finally:
         progress.remove(bar)
+    if result.warning:
+        print(f"sleuth: warning: {result.warning}", file=sys.stderr)
     if iteration == 0:
         run.writer.log(0, _val_metrics(result))
     if cfg.logging.samples_per_eval:
@@ -314,11 +332,11 @@ def _evaluate(run: Run, iteration: int, progress: Progress) -> EvalResult:
 
 def _val_metrics(val: EvalResult) -> dict[str, Any]:
     k = val.k
-    out = {"val_reward": val.avg, "val_reward_se": val.avg_se, f"val_pass@{k}": val.pass_k,
-           f"val_maj@{k}": val.maj, "val_completion_tokens": val.mean_completion_tokens,
-           "time_eval_s": val.time_s}
+    out = {"val/reward": val.avg, "val/reward_se": val.avg_se, f"val/pass@{k}": val.pass_k,
+           f"val/maj@{k}": val.maj, "val/completion_tokens": val.mean_completion_tokens,
+           "time/eval_s": val.time_s}
     if val.chance is not None:
-        out["val_chance"] = val.chance
+        out["val/chance"] = val.chance
     return out
 
 
@@ -349,27 +367,20 @@ def _checkpoint(run: Run, iteration: int, val: EvalResult | None) -> None:
 
 def _export_final(run: Run) -> None:
     """RUN_DIR/model: the trained weights merged into a plain HF folder (what `--model RUN_DIR` loads)."""
-    final = run.run_dir / "model"
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-model-", dir=run.run_dir))
-    try:
+    with fsio.atomic_folder(run.run_dir / "model") as tmp:
         run.policy.export_merged(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.replace(final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- printing
 
 
 def _summary_line(it: int, total: int, m: dict[str, Any]) -> str:
-    val = f"  val {m['val_reward']:.3f}±{m['val_reward_se']:.3f}" if "val_reward" in m else ""
-    loss = f"  loss {m['loss']:+.4f}" if "loss" in m else ""
+    val = f"  val {m['val/reward']:.3f}±{m['val/reward_se']:.3f}" if "val/reward" in m else ""
+    loss = f"  loss {m['train/loss']:+.4f}" if "train/loss" in m else ""
     return (
-        f"iter {it}/{total}  reward {m['reward_mean']:.3f}{val}{loss}  {m['tokens_per_s']:.0f} tok/s  "
-        f"gen {m['time_rollout_s']:.1f}s score {m['time_score_s']:.1f}s train {m['time_train_s']:.1f}s "
-        f"sync {m['time_sync_s']:.1f}s"
+        f"iter {it}/{total}  reward {m['rollout/reward_mean']:.3f}{val}{loss}  "
+        f"{m['rollout/tokens_per_s']:.0f} tok/s  gen {m['time/rollout_s']:.1f}s score {m['time/score_s']:.1f}s "
+        f"train {m['time/train_s']:.1f}s sync {m['time/sync_s']:.1f}s"
     )
 
 

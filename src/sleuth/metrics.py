@@ -1,7 +1,7 @@
 """Per-iteration metrics and sample completions of a run, written where people look at them.
 
     writer = MetricsWriter(run_dir, cfg.logging, config=cfg.model_dump(mode="json"))
-    writer.log(iteration, {"reward_mean": 0.4, "loss": 0.01})
+    writer.log(iteration, {"rollout/reward_mean": 0.4, "train/loss": 0.01})
     writer.log_samples(iteration, [{"problem_id": "p3", "reward": 1.0, "kind": "best", "text": "..."}])
     writer.close()
 
@@ -11,14 +11,21 @@ event files in RUN_DIR and, when enabled, to Weights & Biases and MLflow; none o
 to train (an enabled one that is not installed is a UserError). Sample completions go to
 RUN_DIR/samples.jsonl. Opening a run directory again appends; a last line cut off by a kill is
 dropped first, and `truncate_after(iteration)` rewinds both files (and TensorBoard) on resume.
+
+Keys are grouped by stage: `rollout/...`, `train/...`, `sync/...`, `val/...`, `time/...`, plus
+`iteration` (README, "Metrics", lists every key). Runs written before the namespaces used flat names;
+`upgrade_row` maps those to today's keys, so readers (sleuth report, resume) handle both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +34,49 @@ from sleuth.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
+
+
+OLD_NAMES: dict[str, str] = {
+    **{k: f"rollout/{k}" for k in ("reward_mean", "reward_se", "reward_max", "verifier_errors",
+                                   "verifier_timeouts", "completion_tokens_mean", "tokens", "truncated_frac",
+                                   "tokens_per_s")},
+    **{k: f"train/{k}" for k in ("groups", "groups_dropped", "advantage_abs_mean", "loss", "clip_frac_low",
+                                 "clip_frac_high", "grad_norm", "kl", "entropy", "tis_weight_mean",
+                                 "tis_capped_frac", "mfu", "peak_mem_gb", "skipped", "rows", "sequences",
+                                 "completion_tokens", "lr", "step_time_s", "self_check_max_diff",
+                                 "self_check_mean_diff")},
+    "train_tokens": "train/tokens", "train_tokens_per_s": "train/tokens_per_s",
+    **{f"time_{k}_s": f"time/{k}_s" for k in ("rollout", "score", "train", "sync", "eval", "iteration")},
+    **{f"val_{k}": f"val/{k}" for k in ("reward", "reward_se", "completion_tokens", "chance",
+                                                     "accuracy")},
+}
+"""Flat metric name of runs written before the namespaces -> today's key (val_pass@k / val_maj@k too)."""
+
+
+def upgrade_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A metrics.jsonl row with old flat names renamed to today's keys (new rows pass unchanged)."""
+    out: dict[str, Any] = {}
+    for key, value in row.items():
+        new = OLD_NAMES.get(key)
+        if new is None and key.startswith(("val_pass@", "val_maj@")):
+            new = "val/" + key.removeprefix("val_")
+        out.setdefault(new or key, value)
+    return out
+
+
+def prefixed(namespace: str, metrics: dict[str, Any]) -> dict[str, Any]:
+    """{f"{namespace}/{key}": value}: a stage's own metric names under its namespace."""
+    return {f"{namespace}/{k}": v for k, v in metrics.items()}
+
+
+@contextlib.contextmanager
+def timed(metrics: dict[str, Any], step: str) -> Iterator[None]:
+    """Record the wall time of the block as metrics[f"time/{step}_s"] (also when it raises)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        metrics[f"time/{step}_s"] = time.perf_counter() - start
 
 
 def _numeric(value: Any) -> float | None:

@@ -8,12 +8,13 @@ later loads ~0.5 s), which transformers and vLLM then both load like any other f
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
-import shutil
-import tempfile
+import struct
 from pathlib import Path
 from typing import Any
 
+from sleuth import fsio
 from sleuth.errors import UserError
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
@@ -52,14 +53,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     # transformers 5 also keeps the GGUF quantizer on the model and refuses to save while it is set.
     model.hf_quantizer = None
     model.config.name_or_path = SMOLLM2_ALIAS
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
+    with fsio.atomic_folder(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_model_path(path_or_alias: str) -> Path:
@@ -79,18 +75,111 @@ def resolve_model_path(path_or_alias: str) -> Path:
     raise UserError(f"model folder {path} has no config.json")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+"""A folder needs one of these for its tokenizer to load (vocab.json also needs merges.txt)."""
+
+
 def check_model_folder(path_or_alias: str) -> str:
-    """Validate a model reference without loading weights (for --dry-run). Returns a description."""
-    if path_or_alias == SMOLLM2_ALIAS:
+    """Validate a model reference without loading weights (for --dry-run and before loading):
+    config.json, every weights file's completeness, the tokenizer's files. Returns a description."""
+    if path_or_alias == SMOLLM2_ALIAS and not converted(path_or_alias):
         return f"{SMOLLM2_ALIAS} (from {_smollm2_gguf()})"
-    return str(resolve_model_path(path_or_alias))
+    folder = resolve_model_path(path_or_alias)
+    model_config(folder)
+    check_weights_files(folder)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"model folder {folder} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
+    if (folder / "vocab.json").is_file() and not (folder / "tokenizer.json").is_file() \
+            and not (folder / "merges.txt").is_file():
+        raise UserError(f"model folder {folder} has vocab.json but no merges.txt")
+    return f"{SMOLLM2_ALIAS} ({folder})" if path_or_alias == SMOLLM2_ALIAS else str(folder)
+
+
+def converted(path_or_alias: str) -> bool:
+    """Whether a model reference is a folder already (an alias only once converted)."""
+    return path_or_alias != SMOLLM2_ALIAS or (cache_dir() / "models" / SMOLLM2_ALIAS / "config.json").is_file()
+
+
+def model_config(folder: Path) -> Any:
+    """The folder's transformers config; a corrupt or unknown config.json is a one-line error."""
+    from transformers import AutoConfig
+
+    path = folder / "config.json"
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+        return AutoConfig.from_pretrained(folder)
+    except (ValueError, OSError, KeyError) as e:
+        why = "not valid JSON" if isinstance(e, json.JSONDecodeError | UnicodeDecodeError) else \
+            (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(f"{path}: {why}") from None
+
+
+def check_weights_files(folder: Path) -> None:
+    """Every safetensors file complete (its size matches its header) and every shard present."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, OSError):
+            raise UserError(f"{index} is not a valid shard index") from None
+        for name in sorted(shards):
+            if not (folder / name).is_file():
+                raise UserError(f"model folder {folder}: shard {name} is missing")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files and not any(folder.glob("*.bin")):
+        raise UserError(f"model folder {folder} has no weights (*.safetensors)")
+    for f in files:
+        size = f.stat().st_size
+        try:
+            with f.open("rb") as fh:
+                n = struct.unpack("<Q", fh.read(8))[0]
+                header = json.loads(fh.read(n)) if 0 < n <= size - 8 else None
+            ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"] if header else None
+        except (struct.error, ValueError, KeyError, TypeError, IndexError):
+            ends = None
+        if ends is None:
+            raise UserError(f"{f} is not a safetensors file (corrupt or truncated header)")
+        needed = 8 + n + max(ends, default=0)
+        if size < needed:
+            raise UserError(f"{f} is truncated ({size} bytes, its header needs {needed})")
+
+
+def model_skeleton(folder: Path) -> Any:
+    """The model's modules with no weights (meta device): what LoRA targets are checked against."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(folder)
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError) as e:
+        raise UserError(f"{folder / 'config.json'}: {str(e).splitlines()[0][:200]}") from None
+
+
+def check_lora_targets(model: Any, targets: list[str] | str) -> None:
+    """Each named LoRA target must be a module of the model (PEFT matches names by suffix)."""
+    if isinstance(targets, str):  # "all-linear"
+        return
+    names = [name for name, _ in model.named_modules()]
+    for target in targets:
+        if not any(name == target or name.endswith("." + target) for name in names):
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                             if type(m).__name__ == "Linear"})
+            raise UserError(f"model.lora.target_modules: '{target}' is not a module of the model "
+                            f"(its linear layers: {', '.join(linear)})")
 
 
 def load_tokenizer(path_or_alias: str) -> Any:
     from transformers import AutoTokenizer
 
     folder = resolve_model_path(path_or_alias)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    check_model_folder(str(folder))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as e:  # transformers raises many kinds (ValueError, OSError, ImportError hints)
+        raise UserError(f"cannot load the tokenizer in {folder}: "
+                        f"{(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if not getattr(tokenizer, "chat_template", None):
@@ -103,6 +192,7 @@ def load_causal_lm(path_or_alias: str, dtype: str = "float32", attn_implementati
     from transformers import AutoModelForCausalLM
 
     folder = resolve_model_path(path_or_alias)
+    check_model_folder(str(folder))
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     try:
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation=attn_implementation)

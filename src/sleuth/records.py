@@ -1,14 +1,18 @@
 """The typed records every stage passes on.
 
 tasks -> Problem; rollout -> Sample (token ids + logprobs); scoring fills Completion.reward;
-advantages fill Group.advantages; packing and the trainer read Groups.
+advantages fill Group.advantages; packing and the trainer read Groups; weight sync hands the
+rollout engine a LoraAdapter (or full weights).
 Token ids are kept exactly as sampled: nothing downstream re-tokenizes text.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from sleuth.errors import UserError
 
 Message = dict[str, str]
 """A chat message: {"role": "system" | "user" | "assistant", "content": str}."""
@@ -88,3 +92,51 @@ class Group:
     @property
     def rewards(self) -> list[float]:
         return [c.reward for c in self.completions]
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A LoRA adapter as the trainer holds it, without writing it to disk.
+
+    tensors: PEFT state-dict names (`...q_proj.lora_A.weight` [r, in], `...lora_B.weight` [out, r]),
+    any prefix before the HF module name (e.g. `base_model.model.`) is stripped.
+    """
+
+    tensors: Mapping[str, Any]
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...] = ()
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the adapter's tensors (what an adapter-only weight sync moves)."""
+        return sum(int(t.numel()) * int(t.element_size()) for t in self.tensors.values())
+
+    def deltas(self) -> dict[str, Any]:
+        """{HF weight name: scaling * B @ A} for every adapted module."""
+        pairs: dict[str, dict[str, Any]] = {}
+        for name, t in self.tensors.items():
+            for kind in ("lora_A", "lora_B"):
+                marker = f".{kind}."
+                if marker in name:
+                    module = name.split(marker)[0]
+                    module = module.removeprefix("base_model.model.")
+                    pairs.setdefault(module, {})[kind] = t
+        out = {}
+        for module, ab in pairs.items():
+            if set(ab) != {"lora_A", "lora_B"}:
+                raise UserError(f"LoRA adapter: module {module} lacks lora_A or lora_B")
+            out[f"{module}.weight"] = self.scaling * (ab["lora_B"].float() @ ab["lora_A"].float())
+        return out
+
+    def peft_config(self, base_model: str) -> dict[str, Any]:
+        modules = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in self.tensors})
+        return {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": self.rank, "lora_alpha": self.alpha, "lora_dropout": 0.0, "bias": "none",
+            "target_modules": list(self.target_modules) or modules,
+        }

@@ -4,7 +4,8 @@
     write_report(None, out_dir, eval_paths=[a, b])       # accuracy against ln(cost), a point per model
 
 Inputs of a run directory: metrics.jsonl (one object per iteration, as sleuth.loop logs it; every
-key but "iteration" is optional, so older or partial runs still plot), config.yaml, samples.jsonl. Output: one PNG per plot and report.html with the same
+key but "iteration" is optional, so partial runs still plot; runs written before the metric
+namespaces are read through sleuth.metrics.upgrade_row), config.yaml, samples.jsonl. Output: one PNG per plot and report.html with the same
 images embedded as base64, so the file alone is readable offline.
 
 Corrupt input: a metrics or samples line that is not JSON is skipped with a warning only when it
@@ -30,10 +31,11 @@ from typing import Any
 import numpy as np
 
 from sleuth.errors import DataError, UserError
+from sleuth.metrics import upgrade_row
 
-VAL_KEYS = ("val_reward", "val_accuracy")
-TIME_PARTS = (("time_rollout_s", "generation"), ("time_score_s", "scoring"), ("time_train_s", "training"),
-              ("time_sync_s", "weight sync"), ("time_eval_s", "evaluation"))
+VAL_KEYS = ("val/reward", "val/accuracy")
+TIME_PARTS = (("time/rollout_s", "generation"), ("time/score_s", "scoring"), ("time/train_s", "training"),
+              ("time/sync_s", "weight sync"), ("time/eval_s", "evaluation"))
 MAX_TEXT_CHARS = 4000
 
 
@@ -89,7 +91,7 @@ def load_run(run_dir: str | Path) -> RunData:
     if not metrics_path.is_file():
         raise DataError(f"{run} has no metrics.jsonl (is it a sleuth run directory?)")
     warnings: list[str] = []
-    metrics = read_jsonl(metrics_path, warnings)
+    metrics = [upgrade_row(row) for row in read_jsonl(metrics_path, warnings)]
     samples = read_jsonl(run / "samples.jsonl", warnings) if (run / "samples.jsonl").is_file() else []
     config_path = run / "config.yaml"
     config_text = config_path.read_text(encoding="utf-8", errors="replace") if config_path.is_file() else None
@@ -241,7 +243,7 @@ def _lines_plot(rows: Sequence[dict[str, Any]], name: str, title: str, keys: Seq
 
 
 def plot_reward(rows: Sequence[dict[str, Any]]) -> Plot | None:
-    tx, ty = series(rows, "reward_mean")
+    tx, ty = series(rows, "rollout/reward_mean")
     vx, vy, vkey = val_series(rows)
     if not len(tx) and not len(vx):
         return None
@@ -304,8 +306,8 @@ def plot_time(rows: Sequence[dict[str, Any]]) -> Plot | None:
 
 
 def plot_entropy_kl(rows: Sequence[dict[str, Any]]) -> Plot | None:
-    ex, ey = series(rows, "entropy")
-    kx, ky = series(rows, "kl")
+    ex, ey = series(rows, "train/entropy")
+    kx, ky = series(rows, "train/kl")
     if not len(ex) and not len(kx):
         return None
     fig, ax = _figure("Entropy and KL", ylabel="entropy")
@@ -354,13 +356,13 @@ def run_plots(run: RunData) -> tuple[list[Plot], tuple[float, float] | None]:
         plot_reward(rows),
         power,
         _lines_plot(rows, "completion_len", "Completion length",
-                    [("completion_tokens_mean", "mean"), ("completion_len_mean", "mean"),
+                    [("rollout/completion_tokens_mean", "mean"), ("completion_len_mean", "mean"),
                      ("completion_len_max", "max")], "tokens"),
         plot_entropy_kl(rows),
         _lines_plot(rows, "clip_frac", "Clip fractions",
-                    [("clip_frac_low", "clipped low (ratio < 1 - clip_low)"),
-                     ("clip_frac_high", "clipped high (ratio > 1 + clip_high)")], "fraction of tokens"),
-        _lines_plot(rows, "loss", "Loss and gradient norm", [("loss", "loss"), ("grad_norm", "grad norm")]),
+                    [("train/clip_frac_low", "clipped low (ratio < 1 - clip_low)"),
+                     ("train/clip_frac_high", "clipped high (ratio > 1 + clip_high)")], "fraction of tokens"),
+        _lines_plot(rows, "loss", "Loss and gradient norm", [("train/loss", "loss"), ("train/grad_norm", "grad norm")]),
         plot_time(rows),
     ]
     return [p for p in candidates if p is not None], fit
@@ -433,7 +435,7 @@ def render_html(title: str, run: RunData | None, plots: Sequence[Plot], fit: tup
                                           ("iterations logged", len({r["iteration"] for r in rows}))]
         if rows:
             summary.append(("last iteration", rows[-1]["iteration"]))
-        _, ty = series(rows, "reward_mean")
+        _, ty = series(rows, "rollout/reward_mean")
         if len(ty):
             summary.append(("last training reward", float(ty[-1])))
         if len(vy):

@@ -3,7 +3,8 @@
     with VerifierRunner(task, timeout_s=5.0) as runner:
         stats = score_groups(runner, groups)      # fills completion.reward / reward_info
 
-A verifier call that raises, returns a non-number, or takes longer than the limit scores 0, is
+A verifier call that raises (sys.exit included), returns a non-number, a non-finite number or one
+outside [-1e6, 1e6], or takes longer than the limit scores 0, is
 flagged in `completion.reward_info` ({"verifier_error": 1.0}, plus "verifier_timeout": 1.0 when
 it overran) and counted in the returned ScoreStats; the run goes on.
 
@@ -62,6 +63,15 @@ class ScoreStats:
     """Of those, the ones that overran the time limit."""
     reward_mean: float = 0.0
     time_s: float = 0.0
+    first_error: str = ""
+    """The message of the first failed call (what a user needs to see when all of them fail)."""
+
+    def all_failed_warning(self, what: str) -> str | None:
+        """A line to show when every verifier call of `what` failed (None otherwise)."""
+        if not self.completions or self.verifier_errors < self.completions:
+            return None
+        return (f"every verifier call of {what} failed ({self.verifier_errors} of {self.completions}); "
+                f"the first: {self.first_error}")
 
     def as_metrics(self) -> dict[str, float]:
         return {
@@ -77,13 +87,32 @@ class _VerifierTimeout(BaseException):
     swallow it."""
 
 
+MAX_ABS_REWARD = 1e6
+"""A reward outside [-1e6, 1e6] is an error (scored 0): group statistics square rewards, and a
+value like 1e308 would overflow the advantages."""
+
+
 def _checked(value: Any) -> VerifierOutcome:
     if not isinstance(value, numbers.Real):  # True/False are Reals; "1" and None are not
         return VerifierOutcome(0.0, error=True, message=f"verifier returned {type(value).__name__}, not a number")
-    reward = float(value)
-    if not math.isfinite(reward):
-        return VerifierOutcome(0.0, error=True, message=f"verifier returned {reward}")
+    try:
+        reward = float(value)
+    except (OverflowError, ValueError):  # an int too large for a float
+        return VerifierOutcome(0.0, error=True, message="verifier returned a number too large for a float")
+    if not math.isfinite(reward) or abs(reward) > MAX_ABS_REWARD:
+        return VerifierOutcome(0.0, error=True, message=f"verifier returned {reward:g}, outside "
+                                                       f"[-{MAX_ABS_REWARD:g}, {MAX_ABS_REWARD:g}]")
     return VerifierOutcome(reward)
+
+
+def _call(task: Task, problem: Problem, text: str) -> VerifierOutcome:
+    """Call the verifier and check its value; what it raises, sys.exit included, scores 0."""
+    try:
+        return _checked(task.score(problem, text))
+    except Exception as e:
+        return VerifierOutcome(0.0, error=True, message=f"verifier raised {type(e).__name__}: {e}"[:500])
+    except SystemExit as e:  # a verifier must not end the run (os._exit cannot be caught: see docs)
+        return VerifierOutcome(0.0, error=True, message=f"verifier called sys.exit({e.code!r})")
 
 
 def _timed_out(timeout_s: float) -> VerifierOutcome:
@@ -104,7 +133,7 @@ def call_inline(task: Task, problem: Problem, text: str, timeout_s: float) -> Ve
             if use_alarm:
                 previous = signal.signal(signal.SIGALRM, on_alarm)
                 signal.setitimer(signal.ITIMER_REAL, timeout_s)
-            value = task.score(problem, text)
+            outcome = _call(task, problem, text)
         finally:
             if use_alarm:
                 # The alarm may fire right here, before it is disarmed: the outer handler
@@ -113,11 +142,16 @@ def call_inline(task: Task, problem: Problem, text: str, timeout_s: float) -> Ve
                 signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
     except _VerifierTimeout:
         return _timed_out(timeout_s)
-    except Exception as e:
-        return VerifierOutcome(0.0, error=True, message=f"verifier raised {type(e).__name__}: {e}"[:500])
+    except KeyboardInterrupt:
+        # From the verifier's own code, or a Ctrl-C while it ran: either way the user's stop
+        # request. Delivered again as SIGINT once the verifier is gone, so `sleuth train` checkpoints
+        # and stops (its handler) and other commands stop as on Ctrl-C.
+        print("sleuth: KeyboardInterrupt inside the verifier; stopping as for Ctrl-C", file=sys.stderr)
+        signal.raise_signal(signal.SIGINT)
+        return VerifierOutcome(0.0, error=True, message="verifier raised KeyboardInterrupt")
     if time.perf_counter() - start > timeout_s:
         return _timed_out(timeout_s)
-    return _checked(value)
+    return outcome
 
 
 def _worker_main(conn: Connection, task_bytes: bytes) -> None:
@@ -139,10 +173,7 @@ def _worker_main(conn: Connection, task_bytes: bytes) -> None:
             return
         problem, text = item
         start = time.perf_counter()
-        try:
-            outcome = _checked(task.score(problem, text))
-        except Exception as e:
-            outcome = VerifierOutcome(0.0, error=True, message=f"verifier raised {type(e).__name__}: {e}"[:500])
+        outcome = _call(task, problem, text)
         status = "error" if outcome.error else "ok"
         conn.send((status, outcome.reward, outcome.message, time.perf_counter() - start))
 
@@ -353,6 +384,8 @@ def score_groups(
         if outcome.timeout:
             completion.reward_info["verifier_timeout"] = 1.0
         stats.verifier_errors += outcome.error
+        if outcome.error and not stats.first_error:
+            stats.first_error = outcome.message
         stats.verifier_timeouts += outcome.timeout
     stats.reward_mean = sum(o.reward for o in outcomes) / len(outcomes) if outcomes else 0.0
     stats.time_s = time.perf_counter() - start

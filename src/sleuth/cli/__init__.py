@@ -8,11 +8,14 @@ A UserError anywhere below becomes one line `sleuth: error: ...` and exit code 2
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 from collections.abc import Sequence
 
 from sleuth import __version__
 from sleuth.errors import UserError
+from sleuth.fsio import describe_os_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,17 +30,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate(signum: int, frame: object) -> None:
+    # SIGTERM (schedulers, `docker stop`) ends a command the way Ctrl-C does; `sleuth train`
+    # installs its own handler that checkpoints first.
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    previous = None
+    with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+        previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(args.func(args) or 0)
     except UserError as e:
         print(f"sleuth: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        # The environment, not sleuth: a read-only folder, a full disk, a folder where a file
+        # belongs. One line naming the path and the cause; whatever was saved stays saved.
+        print(f"sleuth: error: {describe_os_error(e)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("sleuth: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from sleuth.errors import UserError
+from sleuth import fsio
+from sleuth.errors import ConfigError, UserError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,8 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, metavar="PATH_OR_RUN_DIR",
                    help="an HF model folder, a sleuth run directory, or the alias smollm2-135m-instruct")
     p.add_argument("--task", metavar="NAME", help="task name (default: the run's task, else temporal_clue)")
-    p.add_argument("--k", type=int, metavar="K", help="samples per problem (default eval.k)")
-    p.add_argument("--price", type=float, metavar="USD",
+    p.add_argument("--k", metavar="K", help="samples per problem (default eval.k)")
+    p.add_argument("--price", metavar="USD",
                    help="price per million tokens for the cost estimate (default eval.price_per_million_tokens)")
     p.add_argument("--out", metavar="DIR", help="output folder (default RUN_DIR/eval-TASK-kK or evals/MODEL-TASK-kK)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. task.eval_size=30")
@@ -72,19 +73,23 @@ def run(args: argparse.Namespace) -> int:
     from sleuth.tasks.registry import build_task
 
     keep_stdout_for_results()
-    cfg = _base_config(args.model, list(args.overrides))
-    if args.task:
-        cfg.task.name = args.task
-    if args.k is not None:
-        if args.k < 1:
-            raise UserError(f"--k must be >= 1, got {args.k}")
-        cfg.eval.k = args.k
-    if args.price is not None:
-        if args.price < 0:
-            raise UserError(f"--price must be >= 0, got {args.price}")
-        cfg.eval.price_per_million_tokens = args.price
+    # The flags are config overrides, so they are checked exactly as `train` checks its config
+    # (--price nan, --k 0 and --k true are the same one-line errors).
+    flags = {"task.name": ("--task", args.task), "eval.k": ("--k", args.k),
+             "eval.price_per_million_tokens": ("--price", args.price)}
+    overrides = [*args.overrides, *(f"{key}={value}" for key, (_, value) in flags.items() if value is not None)]
+    try:
+        cfg = _base_config(args.model, overrides)
+    except ConfigError as e:
+        text = str(e)
+        for key, (flag, _) in flags.items():
+            text = text.replace(f"config key '{key}'", f"{flag} ({key})")
+        raise ConfigError(text) from None
     k = cfg.eval.k
     out = Path(args.out) if args.out else _default_out(args.model, cfg.task.name, k)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a folder")
+    fsio.check_writable(out)  # before the model loads and the samples are drawn
     task = build_task(cfg.task)
     problems = list(task.eval_problems())[: cfg.task.eval_size]
     if not problems:
@@ -111,11 +116,12 @@ def run(args: argparse.Namespace) -> int:
         cost_per_problem=tokens_per_problem * cfg.eval.price_per_million_tokens / 1e6,
     )
     summary[f"avg@{k}"], summary[f"pass@{k}"], summary[f"maj@{k}"] = result.avg, result.pass_k, result.maj
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "samples.jsonl").open("w") as f:
+    if result.warning:
+        print(f"sleuth: warning: {result.warning}", file=sys.stderr)
+    with fsio.atomic_file(out / "samples.jsonl") as f:
         for rec in result.records:
             f.write(json.dumps(rec) + "\n")
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    fsio.write_text(out / "summary.json", json.dumps(summary, indent=1))
     _print_table(summary, k, out)
     print(f"avg@{k}={result.avg:.4f} pass@{k}={result.pass_k:.4f} maj@{k}={result.maj:.4f}")
     return 0
@@ -142,6 +148,7 @@ def _print_table(s: dict[str, Any], k: int, out: Path) -> None:
         ("chance level", chance),
         ("mean completion tokens", f"{s['mean_completion_tokens']:.1f}"),
         ("tokens per problem", f"{s['tokens_per_problem']:.0f}"),
+        ("verifier errors", f"{s['verifier_errors']} of {s['problems'] * k} samples"),
         ("cost per problem", f"${s['cost_per_problem']:.6f} at ${s['price_per_million_tokens']:g}/M tokens"),
         ("samples", str(out / "samples.jsonl")),
     ]

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from sleuth import fsio
 from sleuth.errors import UserError
 
 
@@ -36,15 +34,8 @@ def export_checkpoint(run_dir: Path, which: str, out: Path, cfg: Any = None) -> 
     checkpoint = CheckpointManager(run_dir / "checkpoints").find(which)
     policy = Policy.from_config(cfg.model, need_reference=False, device="cpu")
     policy.load_weights(checkpoint.path / "policy")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
-    try:
+    with fsio.atomic_folder(out) as tmp:
         policy.export_merged(tmp)
-        if out.exists():
-            out.rmdir()  # only ever an empty folder here: run() refuses non-empty ones
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from sleuth import fsio
 from sleuth.errors import UserError
+from sleuth.fsio import LOCK_FILE, TMP_PREFIX
 
 RUN_MARKERS = ("checkpoints", "metrics.jsonl")
 """What makes a folder a run that a new run must not overwrite."""
+USER_CODE_KEYS = ("task.name", "task.verifier", "algorithm.advantage", "algorithm.loss")
+"""Config keys whose "module:function" values name code that a run imports."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -60,6 +65,7 @@ def run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:  # -> Con
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise UserError(f"{run_dir} is not a sleuth run directory (no config.yaml)")
+    announce_user_code(path)
     return load_config(path, overrides)
 
 
@@ -67,10 +73,18 @@ def dry_run(cfg: Any) -> list[str]:
     """Check everything that can be checked without loading weights; return what was checked."""
     import importlib.util
 
-    from sleuth.models import check_model_folder
+    from sleuth.models import (
+        check_lora_targets,
+        check_model_folder,
+        converted,
+        model_skeleton,
+        resolve_model_path,
+    )
     from sleuth.tasks.registry import build_task
 
     lines = [f"model: {check_model_folder(cfg.model.path)}"]
+    if cfg.model.lora.enabled and converted(cfg.model.path):  # its modules, from config.json alone
+        check_lora_targets(model_skeleton(resolve_model_path(cfg.model.path)), cfg.model.lora.target_modules)
     task = build_task(cfg.task)
     problems = task.eval_problems()
     lines.append(f"task: {cfg.task.name} ({len(problems)} held-out problems, first training problem "
@@ -87,8 +101,55 @@ def dry_run(cfg: Any) -> list[str]:
     return lines
 
 
+def check_new_run_dir(run_dir: Path) -> None:
+    """A new run goes into a missing or empty folder, never into a run or a folder of other files."""
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise UserError(f"--out {run_dir} is a file, not a folder")
+    existing = [m for m in RUN_MARKERS if (run_dir / m).exists()]
+    if existing:
+        raise UserError(f"{run_dir} already holds a run ({existing[0]}); continue it with "
+                        f"--resume {run_dir} or choose another --out")
+    # Only what sleuth itself leaves in a folder it was about to use (a lock, a temporary file).
+    others = [p.name for p in run_dir.iterdir() if p.name != LOCK_FILE and not p.name.startswith(TMP_PREFIX)]
+    if others:
+        raise UserError(f"--out {run_dir} is not empty and is not a sleuth run (it holds {sorted(others)[0]}); "
+                        "choose a new or empty folder")
+
+
+def user_code(data: dict[str, Any]) -> list[str]:
+    """'key=spec (where)' for every value of a config mapping that names code ("module:function")."""
+    found = []
+    for key in USER_CODE_KEYS:
+        section, _, name = key.partition(".")
+        spec = (data.get(section) or {}).get(name) if isinstance(data.get(section), dict) else None
+        if not isinstance(spec, str) or ":" not in spec:
+            continue
+        module = spec.rpartition(":")[0]
+        where = str(Path(module).expanduser().resolve()) if module.endswith(".py") else f"module {module}"
+        found.append(f"{key}={spec} ({where})")
+    return found
+
+
+def announce_user_code(config_file: Path) -> None:
+    """Say which code a run directory's config makes sleuth import, before anything imports it
+    (validating the config already does): a run directory from someone else can name any file or
+    module, and its code runs with your rights."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return  # load_config reports what is wrong with the file
+    refs = user_code(data) if isinstance(data, dict) else []
+    if refs:
+        print(f"sleuth: note: {config_file} names code that this run imports and runs: "
+              + "; ".join(refs), file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
-    from sleuth.config import dump_config, load_config
+    from sleuth.config import load_config
 
     config_path, overrides = split_args(args.args)
     if args.resume:
@@ -97,28 +158,40 @@ def run(args: argparse.Namespace) -> int:
         if args.out and Path(args.out).resolve() != Path(args.resume).resolve():
             raise UserError("--resume and --out name different run directories")
         run_dir = Path(args.resume)
-        cfg = run_config(run_dir, overrides)
+        cfg = run_config(run_dir, overrides)  # validated here; written back only once the run starts
     else:
         cfg = load_config(config_path or default_config_path(), overrides)
         run_dir = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-        existing = [m for m in RUN_MARKERS if (run_dir / m).exists()]
-        if existing and not args.dry_run:
-            raise UserError(f"{run_dir} already holds a run ({existing[0]}); continue it with "
-                            f"--resume {run_dir} or choose another --out")
+        if not args.dry_run:
+            check_new_run_dir(run_dir)
     if args.dry_run:
         for line in dry_run(cfg):
             print(line)
         print("dry run ok: config, data and model folder are valid")
         return 0
+    fsio.check_writable(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise fsio.environment_error(e, "cannot create the run directory", run_dir) from None
+    with fsio.FolderLock(run_dir):
+        if args.resume:
+            fsio.check_writable(run_dir / "checkpoints")
+        else:
+            check_new_run_dir(run_dir)  # again under the lock: another run may have started meanwhile
+        return _train(cfg, run_dir, bool(args.resume))
+
+
+def _train(cfg: Any, run_dir: Path, resume: bool) -> int:
     from sleuth.loop import train
 
     keep_stdout_for_results()
-    if args.resume:
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
     print(f"run directory: {run_dir}", file=sys.stderr)
-    result = train(cfg, run_dir, resume=bool(args.resume))
+    result = train(cfg, run_dir, resume=resume)
     if result.interrupted:
-        print(f"sleuth: interrupted after iteration {result.iterations_done}; checkpoint saved. "
+        signum = result.stop_signal or signal.SIGINT
+        how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        print(f"sleuth: {how} after iteration {result.iterations_done}; checkpoint saved. "
               f"Continue with: sleuth train --resume {run_dir}", file=sys.stderr)
-        return 130
+        return 128 + int(signum)  # the shell's convention: 130 for Ctrl-C, 143 for SIGTERM
     return 0

@@ -19,6 +19,7 @@ the dead one) are killed rather than left to time out.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from collections.abc import Iterator
@@ -27,8 +28,7 @@ from typing import Any
 
 from sleuth.config import Config
 from sleuth.errors import UserError
-from sleuth.records import Group
-from sleuth.rollout.base import LoraAdapter
+from sleuth.records import Group, LoraAdapter
 
 
 class TrainerRankDied(UserError):
@@ -107,9 +107,8 @@ class TrainerRank:
             return [(n, t.detach().to("cpu", copy=True)) for n, t in self.policy.sync_state()]
 
     def lora_adapter(self) -> LoraAdapter | None:
-        """The adapter's tensors on rank 0 (None elsewhere, or without LoRA); collective."""
-        from peft import get_peft_model_state_dict
-
+        """The adapter (sync.lora_adapter) on rank 0, None elsewhere or without LoRA; collective."""
+        from sleuth.sync import lora_adapter
         from sleuth.train.fsdp import gathered
 
         if not self.policy.is_lora:
@@ -117,9 +116,9 @@ class TrainerRank:
         with gathered(self.policy):
             if self.rank != 0:
                 return None
-            tensors = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.policy.model).items()}
-        lora = self.cfg.model.lora
-        return LoraAdapter(tensors, lora.rank, lora.alpha, tuple(lora.target_modules))
+            adapter = lora_adapter(self.policy)
+            tensors = {k: v.to("cpu", copy=True) for k, v in adapter.tensors.items()}
+        return dataclasses.replace(adapter, tensors=tensors)
 
     def export(self, out_dir: str) -> None:
         """Rank 0 writes the merged weights as a plain HF folder; collective."""

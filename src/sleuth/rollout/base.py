@@ -20,17 +20,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 from sleuth.errors import UserError
-from sleuth.records import Sample, SamplingParams
+from sleuth.records import LoraAdapter, Sample, SamplingParams
 
 T = TypeVar("T")
 
@@ -57,49 +55,6 @@ class GenerationResult:
 
 class RolloutTimeoutError(RuntimeError):
     """An engine step (a generation or a weight sync) did not finish within its timeout."""
-
-
-@dataclass(frozen=True)
-class LoraAdapter:
-    """A LoRA adapter as the trainer holds it, without writing it to disk.
-
-    tensors: PEFT state-dict names (`...q_proj.lora_A.weight` [r, in], `...lora_B.weight` [out, r]),
-    any prefix before the HF module name (e.g. `base_model.model.`) is stripped.
-    """
-
-    tensors: Mapping[str, Any]
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...] = ()
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
-    def deltas(self) -> dict[str, Any]:
-        """{HF weight name: scaling * B @ A} for every adapted module."""
-        pairs: dict[str, dict[str, Any]] = {}
-        for name, t in self.tensors.items():
-            for kind in ("lora_A", "lora_B"):
-                marker = f".{kind}."
-                if marker in name:
-                    module = name.split(marker)[0]
-                    module = module.removeprefix("base_model.model.")
-                    pairs.setdefault(module, {})[kind] = t
-        out = {}
-        for module, ab in pairs.items():
-            if set(ab) != {"lora_A", "lora_B"}:
-                raise UserError(f"LoRA adapter: module {module} lacks lora_A or lora_B")
-            out[f"{module}.weight"] = self.scaling * (ab["lora_B"].float() @ ab["lora_A"].float())
-        return out
-
-    def peft_config(self, base_model: str) -> dict[str, Any]:
-        modules = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in self.tensors})
-        return {
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-            "r": self.rank, "lora_alpha": self.alpha, "lora_dropout": 0.0, "bias": "none",
-            "target_modules": list(self.target_modules) or modules,
-        }
 
 
 def check_request(request: GenerationRequest, context_len: int, vocab_size: int) -> int:
@@ -160,7 +115,6 @@ class RolloutEngine(ABC):
 
     def __init__(self) -> None:
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
-        self._base_weights: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ generation
 
@@ -202,36 +156,9 @@ class RolloutEngine(ABC):
 
     def sync_lora(self, adapter: LoraAdapter | None) -> None:
         """Serve the model with this LoRA adapter from now on (None: the base model alone), without
-        a checkpoint or a restart.
-
-        Default (the transformers engine; vLLM without rollout.native_lora): merge it into the base
-        weights read once from the model folder (a LoRA run never changes them) and sync the merged
-        full weights.
-        """
-        base = self.base_weights()
-        deltas = adapter.deltas() if adapter is not None else {}
-        missing = sorted(set(deltas) - set(base))
-        if missing:
-            raise UserError(f"LoRA adapter targets {missing[0]}, which the model in {self.model_path} lacks")
-        merged = (
-            (name, (t.float() + deltas[name]).to(t.dtype) if name in deltas else t) for name, t in base.items()
-        )
-        self.sync_weights(merged)
-
-    def base_weights(self) -> dict[str, Any]:
-        """The weights in the model folder (HF names), loaded once and kept on CPU."""
-        if self._base_weights is None:
-            from safetensors.torch import load_file
-
-            folder = Path(self.model_path)
-            files = sorted(folder.glob("*.safetensors"))
-            if not files:
-                raise UserError(f"model folder {folder} has no .safetensors weights to merge a LoRA adapter into")
-            weights: dict[str, Any] = {}
-            for f in files:
-                weights.update(load_file(f))
-            self._base_weights = weights
-        return self._base_weights
+        a checkpoint or a restart. Only engines whose `native_lora` is True implement it; for the
+        others sleuth.sync sends merged full weights instead."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve LoRA adapters (native_lora is False)")
 
     # ------------------------------------------------------------------ plumbing
 
@@ -317,17 +244,3 @@ def finish_sample(group: InFlightGroup, index: int, tokens: list[int], logprobs:
         done = [s for s in group.samples if s is not None]
         resolve_future(group.loop, group.future,
                        result=GenerationResult(group.request, done, time.perf_counter() - group.start))
-
-
-def write_adapter(adapter: LoraAdapter, folder: Path, base_model: str) -> Path:
-    """The adapter as a PEFT folder (vLLM's LoRA loader reads only paths); kept in RAM-backed tmp."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, t in adapter.tensors.items():
-        key = name if name.startswith("base_model.model.") else f"base_model.model.{name}"
-        tensors[key.replace(".default.", ".")] = t.detach().contiguous().cpu()
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps(adapter.peft_config(base_model)))
-    return folder

@@ -42,6 +42,7 @@ def make_engine(rollout_cfg: RolloutConfig, model_path: str, dtype: str, seed: i
     kwargs: dict[str, Any] = dict(
         seed=seed, max_rows=rollout_cfg.max_concurrency, context_len=rollout_cfg.max_model_len,
         timeout_s=rollout_cfg.timeout_s, early_stop_logprob=rollout_cfg.early_stop_logprob,
+        decode=rollout_cfg.hf_decode,
     )
     if model is not None:
         if tokenizer is None:

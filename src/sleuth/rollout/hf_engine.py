@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from sleuth.errors import UserError
-from sleuth.records import FinishReason
+from sleuth.records import FinishReason, LoraAdapter
 from sleuth.rollout.base import (
     GenerationRequest,
     GenerationResult,
@@ -36,10 +36,14 @@ from sleuth.rollout.base import (
     resolve_future,
 )
 from sleuth.rollout.shared_prefix import SharedPrefixCache
+from sleuth.rollout.static_decode import DecodeGraph, StaticSharedCache
 from sleuth.train.attention import PACKED, register_packed_attention
 
 DEFAULT_MAX_ROWS = 64
 """Rows (samples) decoded together when rollout.max_concurrency is not set."""
+DECODE_MODES = ("auto", "dynamic", "static", "cuda_graphs")
+"""rollout.hf_decode: growing cache (dynamic), fixed-shape steps (static, static_decode.py), the
+same captured as CUDA graphs (cuda_graphs); auto = cuda_graphs on CUDA, dynamic on the CPU."""
 
 
 @dataclass(kw_only=True)
@@ -62,8 +66,11 @@ class HFEngine(RolloutEngine):
 
     def __init__(self, model: Any, tokenizer: Any, *, seed: int = 0, model_path: str = "",
                  max_rows: int | None = None, context_len: int | None = None,
-                 timeout_s: float = 1800.0, early_stop_logprob: float | None = None) -> None:
+                 timeout_s: float = 1800.0, early_stop_logprob: float | None = None,
+                 decode: str = "auto") -> None:
         super().__init__()
+        if decode not in DECODE_MODES:
+            raise UserError(f"rollout.hf_decode={decode!r}: choose one of {', '.join(DECODE_MODES)}")
         self.model = model
         self.tokenizer = tokenizer
         self.seed = seed
@@ -77,10 +84,16 @@ class HFEngine(RolloutEngine):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.shared_prefix = _shared_prefix_ready(model)
         """Decode with each prompt's KV stored once (shared_prefix.py); else a repeated cache."""
+        if decode in ("static", "cuda_graphs") and not self.shared_prefix:
+            raise UserError(f"rollout.hf_decode={decode} needs sdpa or sleuth_packed attention, the model has "
+                            f"{getattr(model.config, '_attn_implementation', None)}")
+        self.decode = decode
         self._counter = itertools.count()
         self._pending: list[_Group] = []
         self._lock = threading.Lock()
         self._counts = {"samples": 0, "tokens": 0, "aborted": 0, "prefill_tokens": 0, "batches": 0}
+        self._lora_base: dict[str, torch.Tensor] = {}
+        """Base values of the weights an adapter changed (sync_lora restores them before applying)."""
 
     @classmethod
     def from_path(cls, model_path: str, dtype: str = "float32", **kwargs: Any) -> HFEngine:
@@ -122,10 +135,33 @@ class HFEngine(RolloutEngine):
         tensors = list(named_tensors)
         self._call(lambda: self._copy_weights(tensors), "weight sync (sync_weights)")
 
+    @property
+    def native_lora(self) -> bool:
+        """Adapters are applied here: base + scaling * B @ A written into the engine's own weights,
+        from copies of the adapted weights' base values (only those, not the whole model)."""
+        return True
+
+    def sync_lora(self, adapter: LoraAdapter | None) -> None:
+        self._call(lambda: self._apply_adapter(adapter), "LoRA sync (sync_lora)")
+
     def stats(self) -> dict[str, float]:
         return {k: float(v) for k, v in self._counts.items()} | {"preemptions": 0.0}
 
     # ------------------------------------------------------------------ worker side
+
+    @torch.no_grad()
+    def _apply_adapter(self, adapter: LoraAdapter | None) -> None:
+        params = dict(self.model.named_parameters())
+        deltas = adapter.deltas() if adapter is not None else {}
+        missing = sorted(set(deltas) - set(params))
+        if missing:
+            raise UserError(f"LoRA adapter targets {missing[0]}, which the model in {self.model_path} lacks")
+        for name in deltas:
+            if name not in self._lora_base:  # first time this weight is adapted: keep its base value
+                self._lora_base[name] = params[name].detach().clone()
+        for name, base in self._lora_base.items():
+            p = params[name]
+            p.copy_((base.float() + deltas[name].to(p.device)).to(p.dtype) if name in deltas else base)
 
     @torch.no_grad()
     def _copy_weights(self, tensors: list[tuple[str, Any]]) -> None:
@@ -140,6 +176,7 @@ class HFEngine(RolloutEngine):
                 raise UserError(f"sync_weights: {name} has shape {tuple(t.shape)}, the engine's {tuple(p.shape)}")
             if p.data_ptr() != t.data_ptr():  # the trainer's own tensor when the model is shared
                 p.copy_(t)
+        self._lora_base.clear()  # full weights are the new base of any later adapter
 
     def _take_batch(self) -> list[_Group]:
         with self._lock:
@@ -188,9 +225,12 @@ class HFEngine(RolloutEngine):
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         cache: Any = out.past_key_values
         repeats = torch.tensor([g.request.n for g in groups], device=device)
+        mode = self._decode_mode(device)
+        graph: DecodeGraph | None = None
         if self.shared_prefix:  # each prompt's KV stays one copy; rows keep only their own tokens
-            cache = SharedPrefixCache([(layer.keys, layer.values) for layer in cache.layers], mask,
-                                      [g.request.n for g in groups], max(g.max_new for g in groups))
+            cache_cls = SharedPrefixCache if mode == "dynamic" else StaticSharedCache
+            cache = cache_cls([(layer.keys, layer.values) for layer in cache.layers], mask,
+                              [g.request.n for g in groups], max(g.max_new for g in groups))
         else:  # repeat each group's cache (and its padding mask) to its n rows
             for layer in cache.layers:
                 layer.keys = layer.keys.repeat_interleave(repeats, dim=0)
@@ -218,9 +258,10 @@ class HFEngine(RolloutEngine):
             keep = [i for i, r in enumerate(rows) if not r.done]
             if not keep:
                 break
-            # Drop finished rows once they are a quarter of the batch: compute on dead rows is
-            # wasted, but re-indexing the whole cache every step costs too.
-            if len(keep) <= 0.75 * len(rows):
+            # Drop finished rows once they are a quarter of the batch (half with CUDA graphs, which
+            # are captured again for the survivors): compute on dead rows is wasted, but
+            # re-indexing the whole cache every step costs too.
+            if len(keep) <= (0.5 if mode == "cuda_graphs" else 0.75) * len(rows):
                 idx = torch.tensor(keep, device=device)
                 if self.shared_prefix:
                     cache.keep_rows(idx)
@@ -230,6 +271,12 @@ class HFEngine(RolloutEngine):
                     mask = mask[idx]
                 rows = [rows[i] for i in keep]
                 tokens, next_pos, ma = tokens[idx], next_pos[idx], ma[idx.cpu()]
+            if mode != "dynamic":
+                if graph is None or graph.tokens.shape[0] != len(rows):
+                    graph = DecodeGraph(model, cache, len(rows), device, capture=mode == "cuda_graphs")
+                logits = graph.run(tokens, next_pos)
+                next_pos = next_pos + 1
+                continue
             if self.shared_prefix:
                 # The override computes the attention; the model needs only some prepared 4D mask
                 # (which it passes through untouched) to skip building its own.
@@ -243,6 +290,13 @@ class HFEngine(RolloutEngine):
             cache = out.past_key_values
             logits = out.logits[:, -1].float()
             next_pos = next_pos + 1
+
+    def _decode_mode(self, device: torch.device) -> str:
+        if self.decode == "cuda_graphs" and device.type != "cuda":
+            return "static"  # nothing to capture off CUDA: the same fixed-shape steps, eagerly
+        if self.decode != "auto":
+            return self.decode
+        return "cuda_graphs" if device.type == "cuda" and self.shared_prefix else "dynamic"
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Next token of each row (per-group temperature/top-p/generator) and its raw logprob."""

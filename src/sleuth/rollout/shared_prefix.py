@@ -97,6 +97,10 @@ class SharedPrefixCache:
 
     # ------------------------------------------------------------ attention
 
+    def own_scores(self, q: torch.Tensor, own_k: torch.Tensor) -> torch.Tensor:
+        """Scores of the rows' queries against their own tokens so far."""
+        return q @ own_k.float().transpose(-1, -2)
+
     def attend(self, module: torch.nn.Module, query: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor,
                scaling: float | None) -> tuple[torch.Tensor, None]:
         """Attention output [rows, 1, Hq, D] (transformers' layout) for one decode step."""
@@ -107,7 +111,7 @@ class SharedPrefixCache:
         scale = scaling if scaling is not None else d ** -0.5
         # Query heads grouped by their KV head: [rows, Hkv, rep, D], in float32 for the scores.
         q = query.float().reshape(rows, hkv, rep, d) * scale
-        own_scores = q @ own_k.float().transpose(-1, -2)  # [rows, Hkv, rep, t]
+        own_scores = self.own_scores(q, own_k)  # [rows, Hkv, rep, t]
         out = torch.empty((rows, hkv, rep, d), dtype=torch.float32, device=query.device)
         pk, pv, bias = self.prefix_k[layer], self.prefix_v[layer], self.prefix_bias
         for g, a, b in self._spans:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import queue
 import shutil
@@ -34,12 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.errors import UserError
-from sleuth.records import FinishReason
+from sleuth.records import FinishReason, LoraAdapter
 from sleuth.rollout.base import (
     GenerationRequest,
     GenerationResult,
     InFlightGroup,
-    LoraAdapter,
     RolloutEngine,
     RolloutTimeoutError,
     check_request,
@@ -47,7 +47,6 @@ from sleuth.rollout.base import (
     moving_average_below,
     resolve_future,
     sample_seed,
-    write_adapter,
 )
 from sleuth.rollout.limiter import KVLimiter
 
@@ -202,7 +201,7 @@ class VLLMEngine(RolloutEngine):
 
     def sync_lora(self, adapter: LoraAdapter | None) -> None:
         if not self.native_lora:
-            super().sync_lora(adapter)  # merged into full weights
+            super().sync_lora(adapter)  # raises: started without enable_lora
             return
 
         def load() -> None:
@@ -409,3 +408,16 @@ class VLLMEngine(RolloutEngine):
                 del active[k]
                 self.limiter.release(k, None)
 
+
+def write_adapter(adapter: LoraAdapter, folder: Path, base_model: str) -> Path:
+    """The adapter as a PEFT folder (vLLM's LoRA loader reads only paths); kept in RAM-backed tmp."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in adapter.tensors.items():
+        key = name if name.startswith("base_model.model.") else f"base_model.model.{name}"
+        tensors[key.replace(".default.", ".")] = t.detach().contiguous().cpu()
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(adapter.peft_config(base_model)))
+    return folder

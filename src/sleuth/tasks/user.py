@@ -21,65 +21,21 @@ A module that is not importable from sys.path is also looked up in the current d
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
-import os
 import sys
+import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 from sleuth.config import TaskConfig
-from sleuth.errors import ConfigError, DataError
+from sleuth.errors import ConfigError, DataError, UserError, user_code_error
+from sleuth.plugins import import_module, load_object
 from sleuth.records import Message, Problem
 from sleuth.tasks.base import Task
 from sleuth.tasks.order import stream_index
 
 Verifier = Callable[[Any, str], float]
-
-
-def _import_module(name: str) -> Any:
-    if name.endswith(".py"):
-        path = Path(name).expanduser().resolve()
-        if not path.is_file():
-            raise ConfigError(f"user task file {name} does not exist")
-        # One module per file (two files may share a name): the name carries a hash of the path.
-        module_name = f"sleuth_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
-        if module_name in sys.modules:
-            return sys.modules[module_name]
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        if spec is None or spec.loader is None:
-            raise ConfigError(f"cannot load user task file {name}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-        return module
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        # The `sleuth` console script does not put the current directory on sys.path; a user
-        # running from their project root expects `examples.my_task` to be found there.
-        cwd = os.getcwd()
-        if e.name is None or not name.startswith(e.name) or cwd in sys.path:
-            raise ConfigError(f"cannot import user task module '{name}': {e}") from None
-        sys.path.append(cwd)
-        try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError as e2:
-            raise ConfigError(f"cannot import user task module '{name}': {e2}") from None
-
-
-def load_object(spec: str) -> Any:
-    """The object named by "package.module:attr" or "path/file.py:attr"."""
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"'{spec}' is not of the form module:function")
-    module = _import_module(module_name)
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ConfigError(f"user task module '{module_name}' has no '{attr}'") from None
+LAZY_AFTER = 100_000
+"""problems() is read whole up to this many problems; beyond it, lazily (it may never end)."""
 
 
 def _default_verifier_spec(task_spec: str) -> str:
@@ -120,24 +76,63 @@ class UserTask(Task):
         self._verifier: Verifier | None = None
         self._train: list[Problem] = []
         held_out: list[Problem] = []
-        for i, item in enumerate(items):
-            split, problem = _to_problem(item, i, cfg.system_prompt, cfg.name)
-            (held_out if split == "eval" else self._train).append(problem)
+        self._items = iter(items)
+        self._read = 0
+        self.lazy = False
+        """True when problems() yielded more than LAZY_AFTER problems (an endless generator, say):
+        train problems are then taken in the order given, read as needed, never all at once."""
+        started = time.monotonic()
+        while self._read < LAZY_AFTER:
+            item = self._next_item()
+            if item is None:
+                break
+            (held_out if item[0] == "eval" else self._train).append(item[1])
+            if self._read % 10_000 == 0 and time.monotonic() - started > 2:
+                print(f"sleuth: reading problems from {cfg.name}: {self._read}", file=sys.stderr)
+        else:
+            self.lazy = True
+            print(f"sleuth: {cfg.name} yields more than {LAZY_AFTER} problems; taking them as needed, "
+                  "in the order given", file=sys.stderr)
         if not self._train and not held_out:
             raise DataError(f"user task {cfg.name} returned no problems")
         self._eval = (held_out or self._train)[: cfg.eval_size]
         self.verifier  # noqa: B018 -- resolve now, so a bad verifier fails at start-up
 
+    def _next_item(self) -> tuple[str, Problem] | None:
+        """The next (split, problem) from the user's iterable, or None when it is exhausted."""
+        try:
+            item = next(self._items)
+        except StopIteration:
+            return None
+        except Exception as e:
+            raise user_code_error(e, f"user task {self.cfg.name} failed while yielding problem {self._read}") \
+                from None
+        self._read += 1
+        return _to_problem(item, self._read - 1, self.cfg.system_prompt, self.cfg.name)
+
     @property
     def verifier(self) -> Verifier:
         if self._verifier is None:
-            fn = load_object(self.verifier_spec)
+            try:
+                fn = load_object(self.verifier_spec)
+            except UserError:
+                raise
+            except Exception as e:
+                raise user_code_error(e, f"cannot import verifier '{self.verifier_spec}'") from None
             if not callable(fn):
                 raise ConfigError(f"verifier '{self.verifier_spec}' is not a function")
             self._verifier = fn
         return self._verifier
 
     def train_problem(self, index: int) -> Problem:
+        if self.lazy:
+            while len(self._train) <= index:
+                item = self._next_item()
+                if item is None:
+                    raise DataError(f"user task {self.cfg.name} ran out of problems at {index}")
+                if item[0] == "train":
+                    self._train.append(item[1])
+            return self._train[index]
         if not self._train:
             raise DataError(f"user task {self.cfg.name} has only 'eval' problems, none to train on")
         return self._train[stream_index(len(self._train), self.cfg.seed, index)]
@@ -146,28 +141,39 @@ class UserTask(Task):
         return list(self._eval)
 
     def score(self, problem: Problem, completion: str) -> float:
-        return float(self.verifier(problem.answer, completion))
+        # The value as returned: sleuth.scoring checks it (a string such as "1.0" is an error,
+        # not a reward), so no float() here that would accept it.
+        return self.verifier(problem.answer, completion)
 
     def __getstate__(self) -> dict[str, Any]:
         # Verifier workers re-import the verifier by name: functions from a file path or a
         # module that only the parent imported would not unpickle there by reference.
         state = self.__dict__.copy()
         state["_verifier"] = None
+        state["_items"] = iter(())  # a generator cannot be pickled; workers only score
         return state
 
 
 def build(cfg: TaskConfig) -> Task:
     """A task from cfg.name = "module:function" (see the module docstring)."""
-    factory = load_object(cfg.name)
+    try:
+        factory = load_object(cfg.name)
+    except UserError:
+        raise
+    except Exception as e:  # the module's own code failed (a syntax error, an exception at import)
+        raise user_code_error(e, f"cannot import user task '{cfg.name}'") from None
     if not callable(factory):
         raise ConfigError(f"user task '{cfg.name}' is not a function")
-    result = factory(cfg)
+    try:
+        result = factory(cfg)
+    except Exception as e:
+        raise user_code_error(e, f"user task '{cfg.name}' raised") from None
     if isinstance(result, Task):
         return result
     if isinstance(result, dict | str | bytes) or not isinstance(result, Iterable):
         raise ConfigError(f"user task '{cfg.name}' must return a Task or an iterable of problem dicts")
     verifier_spec = cfg.verifier or _default_verifier_spec(cfg.name)
-    if cfg.verifier is None and not hasattr(_import_module(cfg.name.rpartition(":")[0]), "verify"):
+    if cfg.verifier is None and not hasattr(import_module(cfg.name.rpartition(":")[0], "user task"), "verify"):
         raise ConfigError(
             f"user task '{cfg.name}' needs a verifier: define verify(answer, text) in its module "
             "or set task.verifier=module:function"

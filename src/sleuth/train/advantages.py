@@ -1,9 +1,11 @@
-"""Group-relative advantages: a small registry of estimators over one group's rewards.
+"""Group-relative advantages: a registry of estimators over one group's rewards.
 
     groups, metrics = compute_advantages(groups, "grpo", drop_zero=True)
 
 Each estimator maps the rewards of one group (n completions of one prompt) to one advantage per
-completion. Groups whose advantages are all zero (every completion scored the same) carry no
+completion: `fn(rewards: Sequence[float]) -> list[float]`. Add one with `@register_advantage("name")`
+in code that imports sleuth, or name it in the config as "module:function" / "path/file.py:function"
+(checked when the config loads: importable, callable, one positional argument). Groups whose advantages are all zero (every completion scored the same) carry no
 policy gradient; with drop_zero they are removed before packing and counted in the metrics.
 """
 
@@ -13,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from sleuth.errors import UserError
+from sleuth.plugins import Registry
 from sleuth.records import Group
 
 STD_EPS = 1e-6
@@ -24,7 +26,20 @@ ZERO_TOL = 1e-12
 
 Estimator = Callable[[Sequence[float]], list[float]]
 
+SIGNATURE = "fn(rewards: Sequence[float]) -> list[float]"
+"""The documented signature of an advantage estimator (built-in, registered or user)."""
 
+ESTIMATORS = Registry("advantage", 1, SIGNATURE)
+"""Registered estimator name -> function (the built-ins below, plus @register_advantage ones)."""
+
+register_advantage = ESTIMATORS.register
+"""Decorator: @register_advantage("name") makes a function the estimator algorithm.advantage=name."""
+
+get_advantage = ESTIMATORS.resolve
+"""The estimator a config names: a registered name or a user "module:function"."""
+
+
+@register_advantage("grpo")
 def grpo(rewards: Sequence[float]) -> list[float]:
     """(r - mean) / (std + eps), with the population std of the group (GRPO)."""
     n = len(rewards)
@@ -33,12 +48,14 @@ def grpo(rewards: Sequence[float]) -> list[float]:
     return [(r - mean) / (std + STD_EPS) for r in rewards]
 
 
+@register_advantage("dr_grpo")
 def dr_grpo(rewards: Sequence[float]) -> list[float]:
     """r - mean: Dr.GRPO drops the std division, which over-weights easy and hard groups."""
     mean = sum(rewards) / len(rewards)
     return [r - mean for r in rewards]
 
 
+@register_advantage("rloo")
 def rloo(rewards: Sequence[float]) -> list[float]:
     """Leave-one-out baseline: r_i - mean of the other n-1 rewards (zero for a group of one)."""
     n = len(rewards)
@@ -46,9 +63,6 @@ def rloo(rewards: Sequence[float]) -> list[float]:
         return [0.0] * n
     total = sum(rewards)
     return [r - (total - r) / (n - 1) for r in rewards]
-
-
-ESTIMATORS: dict[str, Estimator] = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo}
 
 
 def compute_advantages(
@@ -59,9 +73,7 @@ def compute_advantages(
     Metrics: groups (in), groups_dropped (all-zero advantages, removed when drop_zero),
     advantage_abs_mean over the kept completions.
     """
-    fn = ESTIMATORS.get(estimator)
-    if fn is None:
-        raise UserError(f"unknown advantage estimator '{estimator}' (choose from {', '.join(ESTIMATORS)})")
+    fn = get_advantage(estimator)
     out: list[Group] = []
     dropped = 0
     abs_sum = 0.0
@@ -72,7 +84,10 @@ def compute_advantages(
         rewards = group.rewards
         if not all(math.isfinite(r) for r in rewards):
             raise ValueError(f"group {i} ({group.problem.id}) has a non-finite reward: {rewards}")
-        advantages = fn(rewards)
+        advantages = [float(a) for a in fn(rewards)]
+        if len(advantages) != len(rewards):
+            raise ValueError(f"advantage '{estimator}' returned {len(advantages)} values for a group of "
+                             f"{len(rewards)} (it must return one per completion)")
         if drop_zero and all(abs(a) < ZERO_TOL for a in advantages):
             dropped += 1
             continue

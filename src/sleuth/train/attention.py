@@ -153,12 +153,11 @@ def dense_mask(segment_ids: torch.Tensor, completion_ids: torch.Tensor) -> torch
 
 
 def flex_block_mask(segment_ids: torch.Tensor, completion_ids: torch.Tensor) -> Any:
-    """A flex_attention BlockMask with the same rule as dense_mask (tensors on the CUDA device)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """A flex_attention BlockMask with the same rule as dense_mask (tensors on the CUDA device),
+    its block structure read from the row layout (block_mask.py) rather than searched for."""
+    from sleuth.train.block_mask import layout_block_mask
 
-    t = segment_ids.numel()
-    mask_mod = packed_mask_mod(segment_ids, completion_ids)
-    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=t, KV_LEN=t, device=segment_ids.device)
+    return layout_block_mask(segment_ids, completion_ids, packed_mask_mod(segment_ids, completion_ids))
 
 
 def packed_mask_mod(segment_ids: torch.Tensor, completion_ids: torch.Tensor) -> Any:

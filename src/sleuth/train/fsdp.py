@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -213,6 +215,43 @@ def gathered(policy: Policy) -> Iterator[Policy]:
 # ---------------------------------------------------------------------- checkpoints
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata` index (plain dataclasses) and refuses anything else, so a crafted
+    file in a run directory cannot run code (torch's own reader uses plain pickle.load)."""
+
+    _DCP = frozenset({"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                      "torch.distributed.checkpoint.planner"})
+    _BUILTINS = frozenset({("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+                           ("builtins", "slice"), ("torch", "Size")})
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in self._DCP or (module, name) in self._BUILTINS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype | torch.memory_format):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """dcp.FileSystemReader whose metadata is read without code execution (tensor data already is:
+    torch reads it with weights_only=True)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+            raise UserError(f"{path} is not a checkpoint index that loads without running code; "
+                            f"refused ({type(e).__name__}: {e})") from None
+        if not isinstance(metadata, Metadata):
+            raise UserError(f"{path} does not hold a checkpoint index")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
 def is_sharded_checkpoint(directory: str | Path) -> bool:
     """Whether `directory` was written by torch.distributed.checkpoint (save_checkpoint)."""
     return (Path(directory) / ".metadata").is_file()
@@ -235,12 +274,12 @@ def load_checkpoint(directory: str | Path, policy: Policy, trainer: Trainer | No
     if trainer is None:
         model_sd = get_model_state_dict(policy.model, options=CHECKPOINT_OPTIONS)
         state: dict[str, Any] = {"model": model_sd}
-        dcp.load(state, checkpoint_id=str(directory))
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(directory)))
         set_model_state_dict(policy.model, state["model"], options=LOAD_OPTIONS)
         return
     model_sd, optim_sd = get_state_dict(policy.model, trainer.optimizer, options=CHECKPOINT_OPTIONS)
     state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=str(directory))
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(directory)))
     set_state_dict(policy.model, trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"], options=LOAD_OPTIONS)
 

@@ -4,6 +4,11 @@ Losses return per-token values; how tokens become one number is chosen once, out
 per-token weight computed from global counts before any backward pass (aggregation_weights).
 The total loss is sum(weight * token_loss) over every token of every row, so the result does not
 depend on how tokens were split into rows or micro-batches.
+
+A policy loss is `fn(logp, old_logp, advantages, token_seq, clip_low, clip_high) -> PolicyLoss`
+over the N completion tokens of one packed row (token_seq: [N] sequence index of each token).
+Add one with `@register_loss("name")`, or name it in the config as "module:function" /
+"path/file.py:function" (checked when the config loads: importable, callable, six arguments).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from sleuth.errors import UserError
+from sleuth.plugins import Registry
 
 
 @dataclass
@@ -27,6 +33,20 @@ class PolicyLoss:
 
 
 LossFn = Callable[..., PolicyLoss]
+
+SIGNATURE = "fn(logp, old_logp, advantages, token_seq, clip_low, clip_high) -> PolicyLoss"
+"""The documented signature of a policy loss (built-in, registered or user)."""
+
+LOSSES = Registry("policy loss", 6, SIGNATURE)
+"""Registered loss name -> function (the built-ins below, plus @register_loss ones)."""
+
+register_loss = LOSSES.register
+"""Decorator: @register_loss("name") makes a function the policy loss algorithm.loss=name."""
+
+get_loss = LOSSES.resolve
+"""The loss a config names: a registered name or a user "module:function"."""
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "constant")
 
 
 def _clipped_objective(
@@ -42,6 +62,7 @@ def _clipped_objective(
     return PolicyLoss(token_loss, low, high)
 
 
+@register_loss("ppo_clip")
 def ppo_clip(
     logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, token_seq: torch.Tensor,
     clip_low: float, clip_high: float,
@@ -51,6 +72,7 @@ def ppo_clip(
     return _clipped_objective(ratio, advantages, clip_low, clip_high)
 
 
+@register_loss("gspo")
 def gspo(
     logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, token_seq: torch.Tensor,
     clip_low: float, clip_high: float,
@@ -69,18 +91,6 @@ def gspo(
     seq_ratio = torch.exp(sums / counts)[inverse]
     ratio = seq_ratio.detach() * torch.exp(logp - logp.detach())
     return _clipped_objective(ratio, advantages, clip_low, clip_high)
-
-
-LOSSES: dict[str, LossFn] = {"ppo_clip": ppo_clip, "gspo": gspo}
-
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "constant")
-
-
-def get_loss(name: str) -> LossFn:
-    fn = LOSSES.get(name)
-    if fn is None:
-        raise UserError(f"unknown policy loss '{name}' (choose from {', '.join(LOSSES)})")
-    return fn
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

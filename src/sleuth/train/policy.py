@@ -2,7 +2,7 @@
 
     policy = Policy.from_config(cfg.model, need_reference=cfg.algorithm.kl_beta > 0)
     logp, entropy = policy.row_logprobs(row)          # packed row -> per completion-token values
-    engine.sync_weights(policy.sync_state())          # full merged weights, base HF names
+    policy.sync_state()                                # full merged weights, base HF names (sleuth.sync)
     policy.save(dir); policy.load_weights(dir); policy.export_merged(dir)
 
 The reference policy for the KL term is the same model with the adapter disabled (LoRA, no second
@@ -23,6 +23,7 @@ import torch
 
 from sleuth.config import ModelConfig
 from sleuth.errors import UserError
+from sleuth.models import check_lora_targets
 from sleuth.train.attention import attention_kwargs, backend_for
 from sleuth.train.logprobs import token_logprobs
 from sleuth.train.packing import PackedRow
@@ -67,11 +68,12 @@ class Policy:
             from peft import get_peft_model
 
             lora = model_cfg.lora
+            check_lora_targets(model, lora.target_modules)
             peft_cfg = PeftLoraConfig(
                 r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                 target_modules=lora.target_modules, task_type="CAUSAL_LM",
             )
-            model = get_peft_model(model, peft_cfg)
+            model = get_peft_model(model, peft_cfg, autocast_adapter_dtype=lora.dtype == "float32")
         else:
             if need_reference:
                 self._reference_model = copy.deepcopy(model).eval().requires_grad_(False)

@@ -19,6 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from sleuth import fsio
 from sleuth.errors import UserError
 from sleuth.tasks.temporal_clue.clues import (
     At,
@@ -374,13 +375,16 @@ def generate_file(n: int, seed: int, difficulty: int, workers: int | None, out: 
     path = Path(out)
     if path.parent and not path.parent.exists():
         raise UserError(f"output folder does not exist: {path.parent}")
+    if path.is_dir():
+        raise UserError(f"--out {path} is a folder; give a file name such as {path / 'puzzles.jsonl'}")
+    fsio.check_writable(path.parent)  # before the work, not after it
     job = partial(_line, seed=seed, difficulty=difficulty, list_choices=list_choices)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("puzzles"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(file=sys.stderr), disable=not progress) as bar, \
-            path.open("w", encoding="utf-8") as f:
+            fsio.atomic_file(path) as f:  # an interrupted run leaves an existing file as it was
         task = bar.add_task("puzzles", total=n)
         if workers == 1:
             lines = map(job, range(n))

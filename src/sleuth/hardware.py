@@ -1,0 +1,96 @@
+"""What this CPU can do fast: bf16 matmul acceleration, and a one-line description for benchmarks.
+
+    if not cpu_bf16_fast():
+        dtype = torch.float32        # bf16 on an AVX2-only CPU is ~50x slower than float32
+    print(f"# cpu: {cpu_description()}")
+
+On x86 a bf16 matmul is fast only with native bf16 instructions (AVX512_BF16, or AMX tiles);
+without them (e.g. an AMD EPYC with AVX2 only) PyTorch emulates bf16 and a 1024^3 matmul takes
+seconds. The flags come from /proc/cpuinfo (Linux), else from PyTorch's own dispatch level.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""x86 CPU flags (as /proc/cpuinfo spells them) that make bf16 matmuls fast."""
+
+SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+"""Flags printed by cpu_description: the ones that decide matmul speed."""
+
+
+def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
+    """(model name, flags) of the first CPU described in /proc/cpuinfo text."""
+    model, flags = "", frozenset[str]()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:  # x86 / arm
+            flags = frozenset(value.split())
+    return model, flags
+
+
+@functools.cache
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    """parse_cpuinfo of this machine; ("", {}) where there is no /proc/cpuinfo."""
+    try:
+        return parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return "", frozenset()
+
+
+def _torch_capability() -> str:
+    """PyTorch's CPU dispatch level (e.g. "AVX2", "AVX512"); "" when torch cannot tell."""
+    try:
+        import torch
+
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # an old torch without the call: rely on /proc/cpuinfo
+        return ""
+
+
+def cpu_bf16_fast() -> bool:
+    """True when this CPU runs bf16 matmuls natively (AVX512_BF16 or AMX on x86; bf16 on Apple/arm).
+
+    An AVX2-only x86 CPU -> False: choose float32 for CPU work there.
+    """
+    _, flags = _cpuinfo()
+    if flags:
+        return bf16_fast_with(flags, platform.machine())
+    # No /proc/cpuinfo (macOS, Windows): Apple silicon has bf16; torch's AMX level implies AMX-BF16.
+    if platform.system() == "Darwin" and platform.machine() == "arm64":
+        return True
+    return "AMX" in _torch_capability().upper()
+
+
+def bf16_fast_with(flags: frozenset[str] | set[str], machine: str) -> bool:
+    """The verdict from a CPU's flags: AVX512_BF16/AMX-BF16 on x86, the bf16 extension on arm."""
+    if any(f in flags for f in BF16_FLAGS):
+        return True
+    return "bf16" in flags and machine.lower() in ("aarch64", "arm64")
+
+
+def cpu_dtype(preferred: str = "bfloat16") -> str:
+    """The dtype name to use for CPU compute: `preferred` unless it is bf16 and bf16 is slow here."""
+    return preferred if preferred != "bfloat16" or cpu_bf16_fast() else "float32"
+
+
+def cpu_description() -> str:
+    """One line: CPU model, cores, the matmul-relevant flags, torch's dispatch level, bf16 verdict."""
+    import os
+
+    model, flags = _cpuinfo()
+    model = model or platform.processor() or platform.machine() or "unknown CPU"
+    shown = [f for f in SHOWN_FLAGS if f in flags]
+    no_avx512 = "" if any(f.startswith("avx512") for f in flags) else ", no AVX-512"
+    no_amx = "" if any(f.startswith("amx") for f in flags) else ", no AMX"
+    capability = _torch_capability()
+    torch_text = f"; torch dispatch {capability}" if capability else ""
+    verdict = "fast" if cpu_bf16_fast() else "slow (emulated)"
+    return (f"{model}, {os.cpu_count()} cores; flags: {' '.join(shown) or 'none found'}{no_avx512}{no_amx}"
+            f"{torch_text}; bf16 matmul {verdict}")

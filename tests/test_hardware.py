@@ -1,0 +1,52 @@
+"""CPU bf16 detection and the benchmark CPU line."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+from sleuth.hardware import bf16_fast_with, cpu_bf16_fast, cpu_description, cpu_dtype, parse_cpuinfo
+
+EPYC_AVX2 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu vme sse sse2 avx avx2 fma bmi2
+processor\t: 1
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu vme sse sse2 avx avx2 fma bmi2
+"""
+
+SAPPHIRE_RAPIDS = """model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: avx2 avx512f avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8
+"""
+
+
+def test_parse_cpuinfo_reads_the_first_cpu() -> None:
+    model, flags = parse_cpuinfo(EPYC_AVX2)
+    assert model == "AMD EPYC 7B13"
+    assert "avx2" in flags and "avx512f" not in flags
+
+
+def test_bf16_verdict_from_flags() -> None:
+    assert not bf16_fast_with(parse_cpuinfo(EPYC_AVX2)[1], "x86_64")
+    assert bf16_fast_with(parse_cpuinfo(SAPPHIRE_RAPIDS)[1], "x86_64")
+    assert bf16_fast_with({"avx512f", "avx512_bf16"}, "x86_64")
+    assert bf16_fast_with({"fp", "asimd", "bf16"}, "aarch64")
+    assert not bf16_fast_with({"avx2", "avx512f"}, "x86_64")  # AVX-512 without its bf16 extension
+
+
+def test_this_machine_agrees_with_its_cpuinfo() -> None:
+    info = Path("/proc/cpuinfo")
+    if info.exists():
+        _, flags = parse_cpuinfo(info.read_text())
+        assert cpu_bf16_fast() == bf16_fast_with(flags, platform.machine())
+    assert cpu_dtype("float32") == "float32"
+    assert cpu_dtype("bfloat16") == ("bfloat16" if cpu_bf16_fast() else "float32")
+
+
+def test_description_is_one_line_with_the_verdict() -> None:
+    text = cpu_description()
+    assert "\n" not in text
+    assert ("bf16 matmul fast" in text) == cpu_bf16_fast()
+    if not cpu_bf16_fast():
+        assert "slow (emulated)" in text

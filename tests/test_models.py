@@ -1,0 +1,65 @@
+"""Model folders: every broken part is a one-line error naming the file, in --dry-run too."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from sleuth.cli import main
+from sleuth.config import ModelConfig
+from sleuth.errors import UserError
+from sleuth.models import load_causal_lm, load_tokenizer
+from sleuth.testing.tiny_model import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def broken(tiny, tmp_path) -> Path:
+    return Path(shutil.copytree(tiny, tmp_path / "model"))
+
+
+def dry_run_error(capsys, *overrides: str) -> str:
+    assert main(["train", "--dry-run", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("sleuth: error: "), err
+    return err[0]
+
+
+def test_truncated_weights_name_the_file(broken, capsys):
+    weights = broken / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 3])
+    with pytest.raises(UserError, match=f"{weights} is truncated \\({len(data) // 3} bytes, its header needs {len(data)}\\)"):
+        load_causal_lm(str(broken), "float32")
+    assert f"{weights} is truncated" in dry_run_error(capsys, f"model.path={broken}")
+    weights.write_bytes(b"\x05")
+    assert "is not a safetensors file" in dry_run_error(capsys, f"model.path={broken}")
+
+
+def test_missing_tokenizer_files_are_named(broken, capsys):
+    (broken / "tokenizer.json").unlink()
+    with pytest.raises(UserError, match="has no tokenizer files"):
+        load_tokenizer(str(broken))
+    assert "has no tokenizer files (one of tokenizer.json" in dry_run_error(capsys, f"model.path={broken}")
+
+
+def test_corrupt_config_json_is_caught_by_dry_run(broken, capsys):
+    (broken / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    assert dry_run_error(capsys, f"model.path={broken}").endswith(f"{broken / 'config.json'}: not valid JSON")
+    (broken / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    assert "no_such_architecture" in dry_run_error(capsys, f"model.path={broken}")
+
+
+def test_lora_targets_are_checked_against_the_model(tiny, capsys):
+    message = dry_run_error(capsys, f"model.path={tiny}", "model.lora.target_modules=[q_proj,qproj]")
+    assert "model.lora.target_modules: 'qproj' is not a module of the model (its linear layers: " in message
+    assert "q_proj" in message
+    from sleuth.train.policy import Policy
+
+    with pytest.raises(UserError, match="'qproj' is not a module of the model"):
+        Policy.from_config(ModelConfig(path=str(tiny), dtype="float32",
+                                       lora={"target_modules": ["qproj"]}), need_reference=False, device="cpu")
