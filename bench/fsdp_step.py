@@ -27,6 +27,7 @@ import torch
 import torch.multiprocessing as mp
 
 from sleuth.config import AlgorithmConfig, LoraConfig, ModelConfig, TrainerConfig
+from sleuth.hardware import cpu_description
 from sleuth.train.policy import Policy
 from sleuth.train.step import Trainer
 from train_step import make_groups
@@ -81,6 +82,7 @@ def run_cpu(a: argparse.Namespace) -> None:
         out = str(Path(tmp) / "rank0.pt")
         mp.spawn(_rank, args=(a, free_port(), out), nprocs=a.ranks, join=True)
         sharded = torch.load(out, weights_only=False)
+    print(f"# CPU: {cpu_description()}; load average {os.getloadavg()[0]:.1f} at the end")
     print(f"# {a.model} {a.mode}, float32, {a.groups} groups x 8 completions (prompt {a.prompt}, "
           f"completion {a.completion}), rows of {a.row_tokens} tokens, best of {a.reps}")
     print("| trainer | processes | threads each | rows per rank | step s | tokens/s | loss | grad norm |")

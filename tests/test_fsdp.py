@@ -3,6 +3,7 @@ checkpoints move between 2 ranks and 1 plain process."""
 
 from __future__ import annotations
 
+import pickle
 import socket
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from sleuth.config import AlgorithmConfig, TrainerConfig
+from sleuth.errors import UserError
 from sleuth.train.fsdp import balance_rows, empty_row, is_sharded_checkpoint, load_checkpoint, save_checkpoint
 from sleuth.train.packing import pack_groups
 from sleuth.train.step import Trainer
@@ -179,3 +181,22 @@ def test_balance_rows_spreads_tokens_and_keeps_order() -> None:
 def test_empty_row_is_a_valid_two_token_row() -> None:
     row = empty_row()
     assert row.n_real_tokens == 2 and row.target_ids.numel() == 1 and float(row.advantages.sum()) == 0.0
+
+
+class _Boom:
+    def __reduce__(self):  # what a crafted pickle does: call something on load
+        return (Path.touch, (Path("/nonexistent-dir/never"),))
+
+
+def test_checkpoint_index_that_would_run_code_is_refused(tmp_path: Path) -> None:
+    policy = make_policy(True, seed=2)
+    trainer = Trainer(policy, AlgorithmConfig(), trainer_cfg(), max_tokens=8)
+    save_checkpoint(tmp_path / "ckpt", policy, trainer)
+    fresh = make_policy(True, seed=3)
+    load_checkpoint(tmp_path / "ckpt", fresh)  # the genuine index loads
+    for name, w in weights(policy).items():
+        if ".lora_" in name:
+            assert torch.equal(weights(fresh)[name], w), name
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(_Boom()))
+    with pytest.raises(UserError, match="refused"):
+        load_checkpoint(tmp_path / "ckpt", fresh)

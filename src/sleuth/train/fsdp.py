@@ -24,6 +24,7 @@ into M ranks or into one plain process (no process group).
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -222,7 +224,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     _DCP = frozenset({"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
                       "torch.distributed.checkpoint.planner"})
     _BUILTINS = frozenset({("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-                           ("builtins", "slice"), ("torch", "Size")})
+                           ("builtins", "slice"), ("torch", "Size"), ("pathlib", "PosixPath"),
+                           ("torch.serialization", "_get_layout")})
 
     def find_class(self, module: str, name: str) -> Any:
         if module in self._DCP or (module, name) in self._BUILTINS:
@@ -252,6 +255,24 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return metadata
 
 
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Non-tensor values (optimizer hyper-parameters) are checked to load with weights_only=True
+    before torch's planner loads the same bytes (it would accept any pickle)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UserError(f"checkpoint value {read_item.dest_index.fqn} needs code execution to load; "
+                            f"refused ({str(e).strip().splitlines()[0][:200]})") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def _load(state: dict[str, Any], directory: str | Path) -> None:
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(directory)), planner=SafeLoadPlanner())
+
+
 def is_sharded_checkpoint(directory: str | Path) -> bool:
     """Whether `directory` was written by torch.distributed.checkpoint (save_checkpoint)."""
     return (Path(directory) / ".metadata").is_file()
@@ -274,12 +295,12 @@ def load_checkpoint(directory: str | Path, policy: Policy, trainer: Trainer | No
     if trainer is None:
         model_sd = get_model_state_dict(policy.model, options=CHECKPOINT_OPTIONS)
         state: dict[str, Any] = {"model": model_sd}
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(directory)))
+        _load(state, directory)
         set_model_state_dict(policy.model, state["model"], options=LOAD_OPTIONS)
         return
     model_sd, optim_sd = get_state_dict(policy.model, trainer.optimizer, options=CHECKPOINT_OPTIONS)
     state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(directory)))
+    _load(state, directory)
     set_state_dict(policy.model, trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"], options=LOAD_OPTIONS)
 
