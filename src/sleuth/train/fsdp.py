@@ -270,7 +270,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def _load(state: dict[str, Any], directory: str | Path) -> None:
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(directory)), planner=SafeLoadPlanner())
+    reader = SafeFileSystemReader(str(directory))
+    reader.read_metadata()  # a refused index raises UserError here (dcp.load would wrap it)
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
 
 
 def is_sharded_checkpoint(directory: str | Path) -> bool:
