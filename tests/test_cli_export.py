@@ -80,3 +80,20 @@ def test_export_bad_inputs(run_dir, tmp_path, capsys):
         assert err[-1].startswith("sleuth: error: ") and message in err[-1], err
     assert (taken / "keep.txt").read_text() == "mine"
     assert not (tmp_path / "y").exists()
+
+
+def test_export_adapter_only_matches_the_merged_export(run_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run, tiny = run_dir
+    assert main(["export", str(run), "--out", str(tmp_path / "merged")]) == 0
+    assert main(["export", str(run), "--out", str(tmp_path / "adapter"), "--adapter-only"]) == 0
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    assert not (tmp_path / "adapter" / "model.safetensors").exists()
+    base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = torch.tensor([list(range(20, 50))])
+    with torch.no_grad():
+        assert torch.allclose(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5, rtol=0)

@@ -22,6 +22,7 @@ from sleuth.report import (
     load_eval_summaries,
     load_run,
     pareto_frontier,
+    reward_against_minutes,
     select_samples,
     write_report,
 )
@@ -236,6 +237,20 @@ def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert html.unescape(attrs["data-sample-text"]) == "<answer>A & B</answer> it0"
 
 
+def test_held_out_reward_against_wall_clock_minutes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with MetricsWriter(run, LoggingConfig(tensorboard=False)) as w:
+        w.log(0, {"val/reward": 0.10, "val/reward_se": 0.02, "val/chance": 0.4, "time/elapsed_min": 1.5})
+        w.log(1, {"rollout/reward_mean": 0.2, "time/elapsed_min": 3.0})  # no evaluation: not a point
+        w.log(2, {"rollout/reward_mean": 0.3, "val/reward": 0.25, "val/reward_se": 0.03, "time/elapsed_min": 4.5})
+        w.log(3, {"rollout/reward_mean": 0.3, "val/reward": 0.30})  # no clock (an older run): not a point
+    minutes, reward, se, key = reward_against_minutes(load_run(run).metrics)
+    assert key == "val/reward"
+    assert minutes.tolist() == [1.5, 4.5] and reward.tolist() == [0.10, 0.25] and se.tolist() == [0.02, 0.03]
+    out = tmp_path / "out"
+    page = write_report(run, out).read_text()
+    assert (out / "reward_time.png").read_bytes().startswith(PNG_MAGIC)
+    assert 'id="plot-reward_time"' in page
 def test_a_run_with_the_old_flat_names_reports_the_same(tmp_path: Path) -> None:
     """Run directories written before the metric namespaces still give every plot and number."""
     new, old = make_run(tmp_path / "new"), make_run(tmp_path / "old", flat=True)

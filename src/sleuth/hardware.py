@@ -94,3 +94,15 @@ def cpu_description() -> str:
     verdict = "fast" if cpu_bf16_fast() else "slow (emulated)"
     return (f"{model}, {os.cpu_count()} cores; flags: {' '.join(shown) or 'none found'}{no_avx512}{no_amx}"
             f"{torch_text}; bf16 matmul {verdict}")
+
+
+def resolve_dtype(name: str) -> str:
+    """model.dtype with "auto" resolved for this machine: bfloat16 on a GPU that supports it and on
+    a CPU with native bf16 matmuls, float32 elsewhere. Other names are returned as they are."""
+    if name != "auto":
+        return name
+    import torch
+
+    if torch.cuda.is_available():
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    return cpu_dtype("bfloat16")

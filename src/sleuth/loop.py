@@ -11,12 +11,11 @@ exactly as an uninterrupted run would.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import signal
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -24,18 +23,24 @@ import numpy as np
 import torch
 
 from sleuth import fsio
+from sleuth.budget import FINAL_EVAL_MARGIN, TimeBudget
 from sleuth.checkpoint import CheckpointManager
 from sleuth.config import Config, dump_config
-from sleuth.evaluate import EvalResult, eval_sampling, evaluate, mean_se, to_groups
+from sleuth.curriculum import Curriculum, parse_schedule
+from sleuth.errors import UserError
+from sleuth.evaluate import EvalResult, eval_sampling, evaluate, evaluate_episodes, mean_se
+from sleuth.hardware import resolve_dtype
 from sleuth.metrics import MetricsWriter, prefixed, timed
-from sleuth.models import encode_chat, resolve_model_path
+from sleuth.models import resolve_model_path
+from sleuth.overlap import RolloutQueue, drop_stale
 from sleuth.progress import Progress
 from sleuth.records import Group, Problem, SamplingParams
-from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
-from sleuth.scoring import VerifierRunner, score_groups
+from sleuth.rollout.base import RolloutEngine
+from sleuth.sampling import Sampler
+from sleuth.scoring import VerifierRunner
 from sleuth.sync import WeightSync
 from sleuth.tasks.base import Task
-from sleuth.train.advantages import compute_advantages
+from sleuth.tasks.episodes import EpisodeRunner, find_rollout
 from sleuth.train.policy import Policy
 from sleuth.train.step import Trainer
 
@@ -58,9 +63,22 @@ class Run:
     checkpoints: CheckpointManager
     verifier: VerifierRunner
     eval_problems: list[Problem]
+    dtype: str
+    """The model dtype in use (model.dtype with auto resolved for this machine)."""
     start_iteration: int = 0
     state: dict[str, Any] = field(default_factory=dict)
-    """Carried across checkpoints: val_before, the latest val_reward, data position."""
+    """Carried across checkpoints: val_before, the latest val_reward, data position, budget, curriculum."""
+    episodes: Any = None
+    """Episode tasks: the EpisodeRunner (gateway + the task's rollout function); None otherwise."""
+    tasks: dict[int, Task] = field(default_factory=dict)
+
+    def task_for_level(self, level: int) -> Task:
+        """The training task at a curriculum level (built once; the held-out set stays `task`'s)."""
+        if level not in self.tasks:
+            from sleuth.tasks.registry import build_task
+
+            self.tasks[level] = build_task(self.cfg.task, level)
+        return self.tasks[level]
 
 
 @dataclass
@@ -82,10 +100,6 @@ def seed_everything(seed: int, iteration: int, deterministic: bool) -> None:
     torch.manual_seed(mixed)
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-def request_seed(seed: int, iteration: int, index: int) -> int:
-    return ((seed * 1_000_003 + iteration) * 4096 + index) % (2**31)
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -133,7 +147,12 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     seed_everything(cfg.loop.seed, 0, cfg.loop.deterministic)
     task = build_task(cfg.task)
     eval_problems = list(task.eval_problems())[: cfg.task.eval_size] if cfg.loop.evaluate else []
-    policy = Policy.from_config(cfg.model, need_reference=cfg.algorithm.kl_beta > 0)
+    if cfg.model.quantization != "none" and cfg.rollout.native_lora:
+        raise UserError("rollout.native_lora serves the adapter on the unquantized base, which "
+                        f"model.quantization={cfg.model.quantization} changes; turn one of them off")
+    dtype = resolve_dtype(cfg.model.dtype)
+    policy = Policy.from_config(cfg.model.model_copy(update={"dtype": dtype}),
+                                need_reference=cfg.algorithm.kl_beta > 0)
     trainer = Trainer(policy, cfg.algorithm, cfg.trainer, total_steps=cfg.loop.iterations,
                       max_tokens=cfg.rollout.max_tokens)
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.loop.keep_checkpoints)
@@ -150,133 +169,133 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     writer = MetricsWriter(run_dir, cfg.logging, config=cfg.model_dump(mode="json"))
     if resume:  # forget what was logged after the checkpoint (everything, when there is none)
         writer.truncate_after(start if latest is not None else -1)
-    engine = make_engine(cfg.rollout, str(resolve_model_path(cfg.model.path)), cfg.model.dtype, cfg.loop.seed)
+    engine = make_engine(cfg.rollout, str(resolve_model_path(cfg.model.path)), dtype, cfg.loop.seed)
     sync = WeightSync(policy, engine)
-    if start > 0:  # the engine starts from the base weights; give it the trained ones
+    # The engine starts from the base checkpoint's weights: give it the trained ones, or (quantized
+    # base) the dequantized ones the trainer really computes with, so rollouts stay on-policy.
+    if start > 0 or cfg.model.quantization != "none":
         sync.push()
     verifier = VerifierRunner.from_config(task, cfg.task)
+    rollout_fn = find_rollout(cfg.task, task)
+    episodes = None if rollout_fn is None else EpisodeRunner(rollout_fn, engine, policy.tokenizer, cfg.task,
+                                                             train_sampling(cfg))
     return Run(cfg, run_dir, task, policy, trainer, engine, sync, writer, checkpoints, verifier, eval_problems,
-               start, state)
+               dtype, start, state, episodes)
+
+
+def train_sampling(cfg: Config) -> SamplingParams:
+    return SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                          max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.stdout,
           progress: Progress | None = None) -> RunResult:
     """Run (or continue) the RL loop of `cfg` in `run_dir`. Prints one summary line per iteration."""
-    run = setup(cfg, run_dir, resume)
-    progress = progress or Progress()
     L = cfg.loop
-    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                              max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
-    done = run.start_iteration
+    budget = TimeBudget(L.time_budget_min)  # started before setup: loading counts against the budget
+    run = setup(cfg, run_dir, resume)
+    budget.restore(run.state.get("budget"))
+    progress = progress or Progress()
+    curriculum = Curriculum(parse_schedule(cfg.task.difficulty), run.state.get("curriculum_stage", 0))
+    sampler = Sampler(cfg, run.policy.tokenizer, run.engine, run.verifier, run.task_for_level, progress,
+                      run.episodes)
+    queue = RolloutQueue(sampler, L.max_staleness, version=run.start_iteration,
+                         position=run.state.get("data_position", run.start_iteration * L.tasks_per_iteration))
+    run.state.setdefault("data_position", queue.position)
+    if cfg.model.dtype == "auto":
+        print(f"model dtype: auto -> {run.dtype}", file=out, flush=True)
+    done, finished = run.start_iteration, False
     interrupted, stop_signal = False, 0
     try:
         with InterruptFlag() as interrupt, progress:
             if run.start_iteration == 0 and run.eval_problems:
-                before = _evaluate(run, 0, progress)
+                before = queue.run(_evaluate, run, 0, progress, budget)
                 run.state["val_before"] = before.summary() | {"per_problem": before.per_problem}
+                budget.reserve_s = FINAL_EVAL_MARGIN * before.time_s
                 print(f"held-out reward before training: {_val_text(before)}", file=out, flush=True)
             bar = progress.bar("iterations", total=L.iterations, completed=run.start_iteration)
             for it in range(run.start_iteration + 1, L.iterations + 1):
+                if not budget.allows_next():  # only after a resume whose budget was already spent
+                    break
                 t_iter = time.perf_counter()  # time/iteration_s: every step, logging excluded
                 seed_everything(L.seed, it, L.deterministic)
-                metrics: dict[str, Any] = {}
 
-                # 1. Sample tasks: a pure function of the data position, so resuming needs only it.
-                first = (it - 1) * L.tasks_per_iteration
-                problems = [run.task.train_problem(i) for i in range(first, first + L.tasks_per_iteration)]
-
-                # 2. Generate samples_per_task completions per problem.
-                with timed(metrics, "rollout"):
-                    prompts = [encode_chat(run.policy.tokenizer, p.messages) for p in problems]
-                    requests = [
-                        GenerationRequest(ids, n=cfg.rollout.samples_per_task, request_id=f"{it}-{j}",
-                                          sampling=replace(sampling, seed=request_seed(L.seed, it, j)))
-                        for j, ids in enumerate(prompts)
-                    ]
-                    results = _generate(run.engine, requests, progress)
-                if interrupt.requested:
-                    break
-
-                # 3. Score every completion with the task's verifier (errors and timeouts score 0).
-                with timed(metrics, "score"):
-                    groups = _score(run, problems, prompts, results, metrics, it)
-
-                # 4. Group-relative advantages; all-zero groups carry no gradient and are dropped.
-                train_groups, adv_metrics = compute_advantages(
-                    groups, cfg.algorithm.advantage, cfg.algorithm.drop_zero_advantage)
-                metrics.update(prefixed("train", adv_metrics))
+                # 1-4. The batch (sampling.py): draw problems at the data position, generate (or run
+                #      episodes), score (+ over-length penalty), group advantages, drop zero-advantage
+                #      groups; with DAPO dynamic sampling, more rounds until the batch is full.
+                batch = queue.take(it, curriculum.level)
+                for ahead in range(it + 1, min(it + L.max_staleness, L.iterations) + 1):
+                    if budget.allows_next(ahead=ahead - it):  # overlap: generate while this one trains
+                        queue.prefetch(ahead, curriculum.level)
+                batch, stale = drop_stale(batch, trainer_version=it - 1, max_staleness=L.max_staleness)
+                metrics: dict[str, Any] = batch.metrics | {"rollout/stale_dropped": float(stale),
+                                                           "rollout/positions": list(batch.positions)}
                 if interrupt.requested:
                     break
 
                 # 5. Pack groups into rows (shared prompts) and take the optimizer step.
                 with timed(metrics, "train"):
                     # (an empty batch still counts as a step, so the schedule does not depend on luck)
-                    metrics.update(prefixed("train", _train_step(run, train_groups, progress)))
+                    metrics.update(prefixed("train", _train_step(run, batch.groups, progress)))
+                run.state["data_position"] = batch.end  # trained up to here: where a resume draws next
 
                 # 6. Sync the updated weights into the rollout engine (adapter-only with LoRA where
-                #    the engine serves adapters, else full weights; sleuth.sync decides).
-                if train_groups:
-                    metrics.update(run.sync.push().metrics())
-                else:  # no update, nothing to send
-                    metrics.update({"time/sync_s": 0.0, "sync/bytes": 0.0,
-                                    "sync/adapter": float(run.sync.mode == "adapter")})
+                #    the engine serves adapters, else full weights; sleuth.sync decides), after any
+                #    generation under way; then the curriculum moves on if this batch earned it.
+                metrics.update(queue.sync(run.sync, version=it) if batch.groups else
+                               {"time/sync_s": 0.0, "sync/bytes": 0.0, "sync/adapter": float(run.sync.mode == "adapter")})
+                if curriculum.update(batch.reward_mean):
+                    print(f"curriculum: reward {batch.reward_mean:.3f} -> difficulty {curriculum.level}",
+                          file=out, flush=True)
+                run.state["curriculum_stage"] = curriculum.index
 
-                # 7. Evaluate on the held-out set on schedule and after the last iteration.
+                # 7. Evaluate on schedule and after the last iteration (the budget's or the config's).
+                budget.record(time.perf_counter() - t_iter)
+                last = it == L.iterations or not budget.allows_next()
                 val = None
-                if run.eval_problems and ((L.eval_every and it % L.eval_every == 0) or it == L.iterations):
-                    val = _evaluate(run, it, progress)
+                if run.eval_problems and ((L.eval_every and it % L.eval_every == 0) or last):
+                    val = queue.run(_evaluate, run, it, progress)
                     metrics.update(_val_metrics(val))
                     run.state["val_last"] = val.summary() | {"per_problem": val.per_problem}
 
                 # 8. Log, and checkpoint on schedule, at the end, or when interrupted.
                 metrics["time/iteration_s"] = time.perf_counter() - t_iter
+                metrics["time/elapsed_min"] = budget.elapsed_s() / 60
                 run.writer.log(it, metrics)
                 print(_summary_line(it, L.iterations, metrics), file=out, flush=True)
                 done = it
                 progress.advance(bar)
-                if (L.checkpoint_every and it % L.checkpoint_every == 0) or it == L.iterations \
-                        or interrupt.requested:
+                if (L.checkpoint_every and it % L.checkpoint_every == 0) or last or interrupt.requested:
+                    run.state["budget"] = budget.state()
                     _checkpoint(run, it, val)
-                if interrupt.requested:
+                if interrupt.requested or last:
+                    finished = last and not interrupt.requested
                     break
             interrupted, stop_signal = interrupt.requested, interrupt.signum
             latest = run.checkpoints.latest()
             if interrupted and (latest is None or latest.iteration < done):  # stopped mid-iteration
+                run.state["budget"] = budget.state()
                 _checkpoint(run, done, None)
+        queue.close()
         if not interrupted:
             _export_final(run)
     finally:
+        queue.close()
         run.writer.close()
         run.verifier.close()
+        if run.episodes is not None:
+            run.episodes.close()
         run.engine.close()
+    print(_budget_text(done, L.iterations, budget), file=out, flush=True)
     before, after = run.state.get("val_before"), run.state.get("val_last")
-    if not interrupted and before and after and done == L.iterations:
+    if finished and before and after:
         print(f"held-out reward after training:  {_val_text_dict(after)}", file=out)
         print(_gain_text(before, after), file=out, flush=True)
-    return RunResult(run_dir, done, interrupted, before, after if done == L.iterations else None,
+    return RunResult(run_dir, done, interrupted, before, after if finished else None,
                      stop_signal if interrupted else 0)
 
 
 # ---------------------------------------------------------------- the steps' details
-
-
-def _generate(engine: RolloutEngine, requests: list[GenerationRequest],
-              progress: Progress) -> list[GenerationResult]:
-    """All results in request order, advancing a rollout bar as each group finishes."""
-    bar = progress.bar("rollouts", total=len(requests))
-    order = {r.request_id: i for i, r in enumerate(requests)}
-
-    async def collect() -> list[GenerationResult]:
-        out: list[GenerationResult | None] = [None] * len(requests)
-        async for result in engine.stream(requests):
-            out[order[result.request.request_id]] = result
-            progress.advance(bar)
-        return [r for r in out if r is not None]
-
-    try:
-        return asyncio.run(collect())
-    finally:
-        progress.remove(bar)
 
 
 def _train_step(run: Run, groups: list[Group], progress: Progress) -> dict[str, float]:
@@ -292,39 +311,23 @@ def _train_step(run: Run, groups: list[Group], progress: Progress) -> dict[str, 
         progress.remove(bar)
 
 
-def _score(run: Run, problems: list[Problem], prompts: list[list[int]],
-           results: list[GenerationResult], metrics: dict[str, Any], iteration: int) -> list[Group]:
-    groups = to_groups(problems, prompts, results)
-    stats = score_groups(run.verifier, groups)
-    if warning := stats.all_failed_warning(f"iteration {iteration}"):
-        print(f"sleuth: warning: {warning}", file=sys.stderr)
-    completions = [c for g in groups for c in g.completions]
-    lengths = [len(c.completion_ids) for c in completions]
-    n = max(len(completions), 1)
-    mean, se = mean_se([c.reward for c in completions])
-    metrics.update(prefixed("rollout", dict(
-        reward_mean=mean, reward_se=se, reward_max=max((c.reward for c in completions), default=0.0),
-        verifier_errors=float(stats.verifier_errors), verifier_timeouts=float(stats.verifier_timeouts),
-        completion_tokens_mean=sum(lengths) / n, tokens=sum(lengths),
-        truncated_frac=sum(c.finish_reason == "length" for c in completions) / n,
-        tokens_per_s=sum(lengths) / max(metrics["time/rollout_s"], 1e-9),
-    )))
-    return groups
-
-
-def _evaluate(run: Run, iteration: int, progress: Progress) -> EvalResult:
+def _evaluate(run: Run, iteration: int, progress: Progress, budget: TimeBudget | None = None) -> EvalResult:
     cfg = run.cfg
     bar = progress.bar("evaluation", total=None)
     try:
-        result = evaluate(run.engine, run.task, run.policy.tokenizer, run.eval_problems, cfg.eval.k,
-                          eval_sampling(cfg),
-                          run.verifier, seed=cfg.loop.seed + EVAL_SEED_OFFSET)
+        if run.episodes is not None:
+            result = evaluate_episodes(run.episodes, run.eval_problems, cfg.eval.k, eval_sampling(cfg),
+                                       seed=cfg.loop.seed + EVAL_SEED_OFFSET)
+        else:
+            result = evaluate(run.engine, run.task, run.policy.tokenizer, run.eval_problems, cfg.eval.k,
+                              eval_sampling(cfg), run.verifier, seed=cfg.loop.seed + EVAL_SEED_OFFSET)
     finally:
         progress.remove(bar)
     if result.warning:
         print(f"sleuth: warning: {result.warning}", file=sys.stderr)
-    if iteration == 0:
-        run.writer.log(0, _val_metrics(result))
+    if iteration == 0:  # the reward before training, at the minute it was measured
+        elapsed = {} if budget is None else {"time/elapsed_min": budget.elapsed_s() / 60}
+        run.writer.log(0, _val_metrics(result) | elapsed)
     if cfg.logging.samples_per_eval:
         run.writer.log_samples(iteration, _best_and_worst(result, cfg.logging.samples_per_eval))
     return result
@@ -357,11 +360,9 @@ def _best_and_worst(val: EvalResult, groups: int) -> list[dict[str, Any]]:
 
 
 def _checkpoint(run: Run, iteration: int, val: EvalResult | None) -> None:
-    L = run.cfg.loop
     run.writer.flush()
     state = {k: v for k, v in run.state.items() if k != "iteration"}
-    state.update(data_position=iteration * L.tasks_per_iteration,
-                 val_reward=None if val is None else val.avg)
+    state.update(val_reward=None if val is None else val.avg)
     run.checkpoints.save(iteration, run.policy, run.trainer, state, metrics_file=run.writer.metrics_path)
 
 
@@ -382,6 +383,11 @@ def _summary_line(it: int, total: int, m: dict[str, Any]) -> str:
         f"{m['rollout/tokens_per_s']:.0f} tok/s  gen {m['time/rollout_s']:.1f}s score {m['time/score_s']:.1f}s "
         f"train {m['time/train_s']:.1f}s sync {m['time/sync_s']:.1f}s"
     )
+
+
+def _budget_text(done: int, total: int, budget: TimeBudget) -> str:
+    limit = "" if budget.limit_s is None else f" of the {budget.limit_s / 60:.4g}-minute budget"
+    return f"reached iteration {done} of {total} in {budget.elapsed_s() / 60:.1f} minutes{limit}"
 
 
 def _val_text(val: EvalResult) -> str:

@@ -187,7 +187,10 @@ def load_tokenizer(path_or_alias: str) -> Any:
     return tokenizer
 
 
-def load_causal_lm(path_or_alias: str, dtype: str = "float32", attn_implementation: str = "sdpa") -> Any:
+def load_causal_lm(path_or_alias: str, dtype: str = "float32", attn_implementation: str = "sdpa",
+                   **from_pretrained: Any) -> Any:
+    """AutoModelForCausalLM from a folder or alias; extra keywords (quantization_config, device_map)
+    go to from_pretrained."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -195,7 +198,8 @@ def load_causal_lm(path_or_alias: str, dtype: str = "float32", attn_implementati
     check_model_folder(str(folder))
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     try:
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation=attn_implementation)
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation=attn_implementation,
+                                                    **from_pretrained)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load model from {folder}: {str(e).splitlines()[0]}") from None
 

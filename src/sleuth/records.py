@@ -88,6 +88,11 @@ class Group:
     prompt_ids: list[int]
     completions: list[Completion]
     advantages: list[float] | None = None
+    episode_rewards: list[float] | None = None
+    """Episode tasks: one reward per episode of the group (advantages are computed over these)."""
+    episode_index: list[int] | None = None
+    """Episode tasks: the episode each completion (sequence) belongs to; it gets that episode's
+    advantage. An episode may have several sequences, or none (no call: it counts in the rewards)."""
 
     @property
     def rewards(self) -> list[float]:

@@ -258,6 +258,31 @@ def plot_reward(rows: Sequence[dict[str, Any]]) -> Plot | None:
     return Plot("reward", "Training reward and validation accuracy", _png(fig))
 
 
+def reward_against_minutes(rows: Sequence[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+    """(minutes, held-out reward, its se, key) of the rows that hold both time/elapsed_min and a
+    validation reward: the curve of reward bought per minute of wall clock."""
+    _, _, vkey = val_series(rows)
+    points = [(r["time/elapsed_min"], r[vkey], r.get(f"{vkey}_se") or 0.0) for r in rows
+              if isinstance(r.get("time/elapsed_min"), int | float) and isinstance(r.get(vkey), int | float)]
+    m, v, se = (np.asarray(c, dtype=float) for c in zip(*points, strict=True)) if points else (np.zeros(0),) * 3
+    return m, v, se, vkey
+
+
+def plot_reward_time(rows: Sequence[dict[str, Any]]) -> Plot | None:
+    m, v, se, vkey = reward_against_minutes(rows)
+    if not len(m):
+        return None
+    title = "Held-out reward against wall-clock minutes"
+    fig, ax = _figure(title, xlabel="minutes since the run started (setup and evaluations included)",
+                      ylabel=vkey)
+    ax.errorbar(m, v, yerr=se, marker="o", markersize=4, linewidth=1.5, capsize=2, label=vkey)
+    chance = [r["val/chance"] for r in rows if isinstance(r.get("val/chance"), int | float)]
+    if chance:
+        ax.axhline(chance[0], color="gray", linestyle="--", linewidth=1, label=f"chance {chance[0]:.3f}")
+    ax.legend(loc="best")
+    return Plot("reward_time", title, _png(fig))
+
+
 def plot_power_law(rows: Sequence[dict[str, Any]]) -> tuple[Plot | None, tuple[float, float] | None]:
     """Validation accuracy on log-log axes with y = c * iteration**b fitted over the improving phase.
 
@@ -354,6 +379,7 @@ def run_plots(run: RunData) -> tuple[list[Plot], tuple[float, float] | None]:
     power, fit = plot_power_law(rows)
     candidates = [
         plot_reward(rows),
+        plot_reward_time(rows),
         power,
         _lines_plot(rows, "completion_len", "Completion length",
                     [("rollout/completion_tokens_mean", "mean"), ("completion_len_mean", "mean"),

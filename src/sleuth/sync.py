@@ -18,8 +18,8 @@ and is passed to WeightSync; nothing else changes.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 import torch
@@ -72,8 +72,10 @@ class SyncStats:
 
 
 def choose_mode(policy: Policy, engine: RolloutEngine) -> SyncMode:
-    """adapter whenever the policy is LoRA and the engine serves adapters, else full weights."""
-    return "adapter" if policy.is_lora and engine.native_lora else "full"
+    """adapter whenever the policy is LoRA and the engine serves adapters, else full weights. An
+    adapter that does not reproduce the policy on the engine's base checkpoint (quantized base,
+    fused-expert adapters) goes as full merged weights (Policy.adapter_is_portable)."""
+    return "adapter" if policy.is_lora and engine.native_lora and policy.adapter_is_portable else "full"
 
 
 def lora_adapter(policy: Policy) -> LoraAdapter:
@@ -107,6 +109,35 @@ class WeightSync:
             else:
                 moved = self.transport.send_full(self.engine, self.policy.sync_state())
         return SyncStats(self.mode, moved, time.perf_counter() - start)
+
+    def snapshot(self) -> Callable[[], SyncStats]:
+        """A copy of the policy's current weights now, and a function that pushes that copy later.
+
+        For rollouts overlapped with training: the trainer changes its tensors in place while the
+        engine finishes generating, so what is pushed must be copied first. Only trained tensors are
+        copied (a LoRA policy's frozen base weights stay shared; merged ones are new tensors anyway).
+        """
+        with torch.no_grad():
+            if self.mode == "adapter":
+                adapter = lora_adapter(self.policy)
+                adapter = replace(adapter, tensors={n: t.clone() for n, t in adapter.tensors.items()})
+
+                def send() -> int:
+                    return self.transport.send_adapter(self.engine, adapter)
+            else:
+                copy = not self.policy.is_lora
+                tensors = [(n, t.clone() if copy else t) for n, t in self.policy.sync_state()]
+
+                def send() -> int:
+                    return self.transport.send_full(self.engine, tensors)
+
+        def push() -> SyncStats:
+            start = time.perf_counter()
+            with torch.no_grad():
+                moved = send()
+            return SyncStats(self.mode, moved, time.perf_counter() - start)
+
+        return push
 
     def describe(self) -> dict[str, Any]:
         return {"mode": self.mode, "engine": type(self.engine).__name__,

@@ -20,12 +20,12 @@ from sleuth.fsio import describe_os_error
 
 def build_parser() -> argparse.ArgumentParser:
     # Imported here so `sleuth --help` stays fast and each command pays only for its own imports.
-    from sleuth.cli import eval, export, puzzles, report, train
+    from sleuth.cli import eval, export, puzzles, report, serve, train
 
     parser = argparse.ArgumentParser(prog="sleuth", description="RL on verifiable tasks for open LLMs.")
     parser.add_argument("--version", action="version", version=f"sleuth {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (puzzles, report, train, eval, export):
+    for module in (puzzles, report, train, eval, export, serve):
         module.register(sub)
     return parser
 

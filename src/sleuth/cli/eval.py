@@ -66,10 +66,12 @@ def model_folder(model: str, cfg: Any, scratch: Path) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from sleuth.cli.train import keep_stdout_for_results
-    from sleuth.evaluate import eval_sampling, evaluate
+    from sleuth.evaluate import eval_sampling, evaluate, evaluate_episodes
+    from sleuth.hardware import resolve_dtype
     from sleuth.models import load_tokenizer
     from sleuth.rollout.factory import make_engine
     from sleuth.scoring import VerifierRunner
+    from sleuth.tasks.episodes import EpisodeRunner, find_rollout
     from sleuth.tasks.registry import build_task
 
     keep_stdout_for_results()
@@ -99,11 +101,19 @@ def run(args: argparse.Namespace) -> int:
         folder = model_folder(args.model, cfg, scratch)
         tokenizer = load_tokenizer(str(folder))
         print(f"evaluating {args.model} on {len(problems)} problems of {cfg.task.name}, k={k}", file=sys.stderr)
-        engine = make_engine(cfg.rollout, str(folder), cfg.model.dtype, cfg.loop.seed)
+        engine = make_engine(cfg.rollout, str(folder), resolve_dtype(cfg.model.dtype), cfg.loop.seed)
         try:
-            with VerifierRunner.from_config(task, cfg.task) as verifier:
-                result = evaluate(engine, task, tokenizer, problems, k, eval_sampling(cfg), verifier,
-                                  seed=cfg.loop.seed)
+            rollout = find_rollout(cfg.task, task)
+            if rollout is not None:  # an episode task: avg@k over k episodes per problem
+                runner = EpisodeRunner(rollout, engine, tokenizer, cfg.task, eval_sampling(cfg))
+                try:
+                    result = evaluate_episodes(runner, problems, k, eval_sampling(cfg), seed=cfg.loop.seed)
+                finally:
+                    runner.close()
+            else:
+                with VerifierRunner.from_config(task, cfg.task) as verifier:
+                    result = evaluate(engine, task, tokenizer, problems, k, eval_sampling(cfg), verifier,
+                                      seed=cfg.loop.seed)
         finally:
             engine.close()
     finally:

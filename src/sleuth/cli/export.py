@@ -1,4 +1,5 @@
-"""`sleuth export RUN_DIR --out DIR [--checkpoint latest|best|NAME]`: a merged HF model folder."""
+"""`sleuth export RUN_DIR --out DIR [--checkpoint latest|best|NAME] [--adapter-only]`: a merged HF model folder
+(dequantized when the run trained on a quantized base), or the LoRA adapter alone."""
 
 from __future__ import annotations
 
@@ -21,21 +22,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist or be empty)")
     p.add_argument("--checkpoint", default="latest", metavar="WHICH",
                    help="latest (default), best (by validation reward), or a checkpoint folder name")
+    p.add_argument("--adapter-only", action="store_true",
+                   help="write the LoRA adapter (PEFT folder) instead of merged weights")
     p.set_defaults(func=run)
 
 
-def export_checkpoint(run_dir: Path, which: str, out: Path, cfg: Any = None) -> Path:
-    """Merge checkpoint `which` of run_dir into a new HF folder at `out` (written atomically)."""
+def export_checkpoint(run_dir: Path, which: str, out: Path, cfg: Any = None, adapter_only: bool = False) -> Path:
+    """Merge checkpoint `which` of run_dir into a new HF folder at `out` (written atomically), or
+    with adapter_only write its LoRA adapter (adapter_config.json + adapter_model.safetensors)."""
     from sleuth.checkpoint import CheckpointManager
     from sleuth.cli.train import run_config
     from sleuth.train.policy import Policy
 
     cfg = cfg if cfg is not None else run_config(run_dir)
+    if adapter_only and not cfg.model.lora.enabled:
+        raise UserError(f"--adapter-only: the run in {run_dir} trained full weights, not a LoRA adapter")
     checkpoint = CheckpointManager(run_dir / "checkpoints").find(which)
     policy = Policy.from_config(cfg.model, need_reference=False, device="cpu")
     policy.load_weights(checkpoint.path / "policy")
     with fsio.atomic_folder(out) as tmp:
-        policy.export_merged(tmp)
+        if adapter_only:
+            policy.save(tmp)
+        else:
+            policy.export_merged(tmp)
     return out
 
 
@@ -45,6 +54,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{run_dir} is not a sleuth run directory (no config.yaml)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} already exists and is not an empty folder")
-    export_checkpoint(run_dir, args.checkpoint, out)
+    export_checkpoint(run_dir, args.checkpoint, out, adapter_only=args.adapter_only)
     print(out)
     return 0

@@ -37,7 +37,7 @@ from sleuth.rollout.base import (
 )
 from sleuth.rollout.shared_prefix import SharedPrefixCache
 from sleuth.rollout.static_decode import DecodeGraph, StaticSharedCache
-from sleuth.train.attention import PACKED, register_packed_attention
+from sleuth.train.attention import PACKED, register_packed_attention, special_attention
 
 DEFAULT_MAX_ROWS = 64
 """Rows (samples) decoded together when rollout.max_concurrency is not set."""
@@ -85,8 +85,9 @@ class HFEngine(RolloutEngine):
         self.shared_prefix = _shared_prefix_ready(model)
         """Decode with each prompt's KV stored once (shared_prefix.py); else a repeated cache."""
         if decode in ("static", "cuda_graphs") and not self.shared_prefix:
-            raise UserError(f"rollout.hf_decode={decode} needs sdpa or sleuth_packed attention, the model has "
-                            f"{getattr(model.config, '_attn_implementation', None)}")
+            why = ", ".join(special_attention(model.config)) or (
+                f"attention {getattr(model.config, '_attn_implementation', None)}, not sdpa or sleuth_packed")
+            raise UserError(f"rollout.hf_decode={decode} needs shared-prompt decoding, which this model cannot use ({why})")
         self.decode = decode
         self._counter = itertools.count()
         self._pending: list[_Group] = []
@@ -353,7 +354,11 @@ def _hits_stop(tokenizer: Any, tokens: list[int], stops: tuple[str, ...]) -> boo
 
 def _shared_prefix_ready(model: Any) -> bool:
     """Whether the model's attention is sleuth's registered one (which takes attention_override).
-    A model on plain "sdpa" is switched to it: without the override it is exactly sdpa."""
+    A model on plain "sdpa" is switched to it: without the override it is exactly sdpa. Sliding
+    windows and attention sinks are not in SharedPrefixCache.attend: those models decode with a
+    repeated cache (transformers' own cache layers and masks keep them exact)."""
+    if special_attention(model.config):
+        return False
     impl = getattr(model.config, "_attn_implementation", None)
     if impl == "sdpa" and hasattr(model, "set_attn_implementation"):
         register_packed_attention()

@@ -11,12 +11,14 @@ import difflib
 import importlib
 
 from sleuth.config import TaskConfig
+from sleuth.curriculum import parse_schedule
 from sleuth.errors import ConfigError
 from sleuth.tasks.base import Task
 
 TASKS: dict[str, str] = {
     "temporal_clue": "sleuth.tasks.temporal_clue.task:build",
     "math": "sleuth.tasks.math:build",
+    "math_python": "sleuth.tasks.math_python:build",
     "reasoning_gym": "sleuth.tasks.reasoning_gym:build",
 }
 """Registered task name -> "module:factory"."""
@@ -26,8 +28,13 @@ def task_names() -> list[str]:
     return sorted(TASKS)
 
 
-def build_task(cfg: TaskConfig) -> Task:
-    """The Task that cfg.name names, built from the rest of cfg."""
+def build_task(cfg: TaskConfig, level: int | None = None) -> Task:
+    """The Task that cfg.name names, built from the rest of cfg.
+
+    A difficulty curriculum (sleuth.curriculum) builds the task at `level`, by default its first.
+    """
+    stages = parse_schedule(cfg.difficulty)
+    cfg = cfg.model_copy(update={"difficulty": stages[0].level if level is None else level})
     name = cfg.name.strip()
     if ":" in name:
         from sleuth.tasks.user import build

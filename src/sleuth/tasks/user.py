@@ -38,6 +38,11 @@ LAZY_AFTER = 100_000
 """problems() is read whole up to this many problems; beyond it, lazily (it may never end)."""
 
 
+def user_module(task_spec: str) -> Any:
+    """The module of a user task "module:function"."""
+    return import_module(task_spec.rpartition(":")[0], "user task")
+
+
 def _default_verifier_spec(task_spec: str) -> str:
     return task_spec.rpartition(":")[0] + ":verify"
 
@@ -69,7 +74,7 @@ def _to_problem(item: Any, index: int, system_prompt: str | None, source: str) -
 class UserTask(Task):
     """Problems from a user function, scored by a user verifier."""
 
-    def __init__(self, cfg: TaskConfig, items: Iterable[Any], verifier_spec: str) -> None:
+    def __init__(self, cfg: TaskConfig, items: Iterable[Any], verifier_spec: str | None) -> None:
         self.cfg = cfg
         self.name = cfg.name
         self.verifier_spec = verifier_spec
@@ -96,7 +101,8 @@ class UserTask(Task):
         if not self._train and not held_out:
             raise DataError(f"user task {cfg.name} returned no problems")
         self._eval = (held_out or self._train)[: cfg.eval_size]
-        self.verifier  # noqa: B018 -- resolve now, so a bad verifier fails at start-up
+        if verifier_spec is not None:
+            self.verifier  # noqa: B018 -- resolve now, so a bad verifier fails at start-up
 
     def _next_item(self) -> tuple[str, Problem] | None:
         """The next (split, problem) from the user's iterable, or None when it is exhausted."""
@@ -113,6 +119,8 @@ class UserTask(Task):
     @property
     def verifier(self) -> Verifier:
         if self._verifier is None:
+            if self.verifier_spec is None:
+                raise ConfigError(f"user task {self.cfg.name} is an episode task: its rollout scores it")
             try:
                 fn = load_object(self.verifier_spec)
             except UserError:
@@ -172,8 +180,11 @@ def build(cfg: TaskConfig) -> Task:
         return result
     if isinstance(result, dict | str | bytes) or not isinstance(result, Iterable):
         raise ConfigError(f"user task '{cfg.name}' must return a Task or an iterable of problem dicts")
-    verifier_spec = cfg.verifier or _default_verifier_spec(cfg.name)
-    if cfg.verifier is None and not hasattr(import_module(cfg.name.rpartition(":")[0], "user task"), "verify"):
+    verifier_spec: str | None = cfg.verifier or _default_verifier_spec(cfg.name)
+    module = user_module(cfg.name)
+    if cfg.verifier is None and not hasattr(module, "verify") and (cfg.rollout or hasattr(module, "rollout")):
+        verifier_spec = None  # an episode task: its rollout returns the reward
+    elif cfg.verifier is None and not hasattr(module, "verify"):
         raise ConfigError(
             f"user task '{cfg.name}' needs a verifier: define verify(answer, text) in its module "
             "or set task.verifier=module:function"

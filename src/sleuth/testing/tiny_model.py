@@ -1,4 +1,4 @@
-"""A tiny random-init Llama-style model with a byte-level vocabulary and a ChatML template.
+"""A tiny random-init decoder (Llama, or any architecture in ARCHITECTURES), byte-level vocabulary, ChatML.
 
 For tests, smoke runs and benchmarks that must not depend on a real checkpoint:
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 IM_START, IM_END, EOT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 SPECIAL_TOKENS = [EOT, IM_START, IM_END]
@@ -56,12 +57,41 @@ def _byte_of(ch: str) -> int:
     return others[code - 256]
 
 
-def build_model(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0,
-                vocab_size: int = 272, max_positions: int = 4096):  # -> LlamaForCausalLM
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+WINDOW = 24
+"""Sliding window of the tiny windowed architectures: shorter than test rows, so a packed
+attention that ignored it would be caught by the packed-vs-naive checks."""
 
-    config = LlamaConfig(
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    # model_type -> extra config fields (beyond the shared sizes set in build_model)
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {},
+    "mistral": {"sliding_window": WINDOW},
+    "gemma3_text": {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"],
+                    "query_pre_attn_scalar": 32},
+    "phi3": {},
+    "olmo2": {},
+    "smollm3": {"no_rope_layer_interval": 2},
+    "gpt_oss": {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"],
+                "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "norm_topk_prob": True},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    # OLMoE normalises q and k over hidden_size, so heads x head_dim must equal it (64 = 2 x 32).
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2, "num_attention_heads": 2, "num_key_value_heads": 2},
+}
+"""The decoder architectures the test matrix builds (transformers model_type names)."""
+
+
+def build_model(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0,
+                vocab_size: int = 272, max_positions: int = 4096, arch: str = "llama"):  # -> PreTrainedModel
+    """A random-init causal LM of architecture `arch` (a key of ARCHITECTURES) at tiny sizes."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; known: {', '.join(ARCHITECTURES)}")
+    fields: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=hidden * 2,
@@ -77,24 +107,27 @@ def build_model(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int
         eos_token_id=258,  # <|im_end|>: ids 256, 257, 258 are EOT, IM_START, IM_END
         pad_token_id=256,
     )
+    config = AutoConfig.for_model(arch, **{**fields, **ARCHITECTURES[arch]})
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     # A slightly larger init than the default makes sampled outputs varied instead of near-uniform.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
+            elif name.endswith("sinks"):  # GPT-OSS attention sinks: make them matter
+                p.normal_(0.0, 1.0)
     return model
 
 
 def write_tiny_model(out_dir: str | Path, hidden: int = 64, layers: int = 2, heads: int = 4,
-                     kv_heads: int = 2, seed: int = 0) -> Path:
+                     kv_heads: int = 2, seed: int = 0, arch: str = "llama") -> Path:
     """Write model + tokenizer into out_dir (an HF folder transformers and vLLM load). Returns it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     assert tokenizer.convert_tokens_to_ids(IM_END) == 258, "special token ids moved"
-    model = build_model(hidden, layers, heads, kv_heads, seed)
+    model = build_model(hidden, layers, heads, kv_heads, seed, arch=arch)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     gen = {"eos_token_id": 258, "pad_token_id": 256}
@@ -110,8 +143,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arch", default="llama", choices=sorted(ARCHITECTURES))
     a = parser.parse_args()
-    print(write_tiny_model(a.out_dir, a.hidden, a.layers, a.heads, a.kv_heads, a.seed))
+    print(write_tiny_model(a.out_dir, a.hidden, a.layers, a.heads, a.kv_heads, a.seed, a.arch))
 
 
 if __name__ == "__main__":

@@ -81,13 +81,16 @@ def compute_advantages(
     for i, group in enumerate(groups):
         if not group.completions:
             raise ValueError(f"group {i} ({group.problem.id}) has no completions")
-        rewards = group.rewards
+        # Episode tasks: one reward per episode; each sequence takes its episode's advantage.
+        rewards = group.rewards if group.episode_rewards is None else group.episode_rewards
         if not all(math.isfinite(r) for r in rewards):
             raise ValueError(f"group {i} ({group.problem.id}) has a non-finite reward: {rewards}")
         advantages = [float(a) for a in fn(rewards)]
         if len(advantages) != len(rewards):
             raise ValueError(f"advantage '{estimator}' returned {len(advantages)} values for a group of "
                              f"{len(rewards)} (it must return one per completion)")
+        if group.episode_index is not None:
+            advantages = [advantages[e] for e in group.episode_index]
         if drop_zero and all(abs(a) < ZERO_TOL for a in advantages):
             dropped += 1
             continue

@@ -16,6 +16,14 @@ Three ways to apply the rule, chosen by the model's attn_implementation:
 - "sdpa": a dense boolean mask [1, 1, T, T] (True = may attend), which transformers passes
   through unchanged as a prepared 4D mask. Simple and exact, O(T^2) memory and compute.
 - "flex_attention" (CUDA): a BlockMask, which skips fully masked blocks (no CPU backward exists).
+
+Sliding-window layers (Mistral, Gemma 3, GPT-OSS) and attention sinks (GPT-OSS) change the rule:
+a key further back than the window is dropped, and a per-head sink logit joins the softmax's
+denominator. "sleuth_packed" reads both from the keyword arguments each layer passes (so hybrid
+models get each layer's own rule) and then uses a dense mask with the window (by position, not
+row index) and exact softmax-with-sink math; a window longer than every sequence in the row
+changes nothing and keeps the structured path. The flex BlockMask is one mask for all layers, so
+a model with windows or sinks trains on "sleuth_packed" on CUDA too (`backend_for`).
 """
 
 from __future__ import annotations
@@ -32,12 +40,26 @@ from sleuth.train.packing import PackedRow
 PACKED = "sleuth_packed"
 
 
-def backend_for(device: torch.device | str) -> str:
-    """The transformers attn_implementation used for packed rows on this device."""
-    if torch.device(device).type == "cuda":
+def backend_for(device: torch.device | str, config: Any = None) -> str:
+    """The transformers attn_implementation used for packed rows on this device (and model config)."""
+    if torch.device(device).type == "cuda" and not (config is not None and special_attention(config)):
         return "flex_attention"
     register_packed_attention()
     return PACKED
+
+
+def special_attention(config: Any) -> list[str]:
+    """What in this model's attention the structured kernels (packed rows, shared-prompt decoding)
+    do not cover: "sliding window N" and/or "attention sinks". Empty for plain causal attention."""
+    found = []
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    uses_window = "sliding_attention" in layer_types or (not layer_types and getattr(config, "use_sliding_window", True))
+    if window and uses_window:
+        found.append(f"sliding window {window}")
+    if getattr(config, "model_type", "") == "gpt_oss":  # the one transformers decoder with sink logits
+        found.append("attention sinks")
+    return found
 
 
 @dataclass(frozen=True)
@@ -51,7 +73,8 @@ class RowLayout:
     each completion directly follows the previous one (or the prompt)."""
     segment_ids: torch.Tensor = field(compare=False)
     completion_ids: torch.Tensor = field(compare=False)
-    """The row's per-token ids (packing.py), for the dense-mask fallback."""
+    position_ids: torch.Tensor = field(compare=False)
+    """The row's per-token ids and positions (packing.py), for the dense-mask fallback."""
 
 
 def row_layout(row: PackedRow) -> RowLayout:
@@ -59,7 +82,7 @@ def row_layout(row: PackedRow) -> RowLayout:
     for pl in row.placements:
         segments.setdefault((pl.prompt_start, pl.prompt_len), []).append((pl.start, pl.length))
     return RowLayout(row.length, tuple((ps, n, tuple(c)) for (ps, n), c in segments.items()),
-                     row.segment_ids, row.completion_ids)
+                     row.segment_ids, row.completion_ids, row.position_ids)
 
 
 def _packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: RowLayout,
@@ -97,29 +120,69 @@ def _packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, la
 def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                              value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
                              scaling: float | None = None, packed_layout: RowLayout | None = None,
-                             attention_override: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                             attention_override: Any = None, sliding_window: int | None = None,
+                             s_aux: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers attention interface: structured packed attention, or plain sdpa without a layout.
 
     `attention_override` (a forward keyword, like packed_layout): an object whose
     attend(module, query, key, value, scaling) computes the attention instead; the rollout engine's
-    shared-prompt decoding uses it (rollout/shared_prefix.py)."""
+    shared-prompt decoding uses it (rollout/shared_prefix.py). `sliding_window` and `s_aux` (sink
+    logits) come from the layer itself."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     if attention_override is not None:
         return attention_override.attend(module, query, key, value, scaling)
     if packed_layout is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        if s_aux is None:  # transformers' mask already holds causality, padding and the window
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)
+        if attention_mask is None:  # sdpa_mask left out a plain causal mask
+            attention_mask = _causal_mask(query.shape[2], key.shape[2], sliding_window, query.device)
+        return _dense_attention(module, query, key, value, attention_mask, dropout, scaling, s_aux)
     if query.shape[0] != 1:
         raise ValueError("packed attention takes one row per forward pass")
-    if dropout > 0 or query.device.type != "cpu":
-        # The structured path calls the CPU flash kernels and has no dropout; the dense mask
-        # (exact, O(T^2)) covers the rest. (Training on CUDA uses flex_attention, not this.)
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        mask = dense_mask(packed_layout.segment_ids.to(query.device), packed_layout.completion_ids.to(query.device))
+    window_bites = sliding_window is not None and int(packed_layout.position_ids.max()) >= sliding_window
+    if dropout > 0 or query.device.type != "cpu" or window_bites or s_aux is not None:
+        # The structured path calls the CPU flash kernels and has no dropout, window or sinks; the
+        # dense mask (exact, O(T^2)) covers the rest. (CUDA training uses flex_attention unless the
+        # model has windows or sinks, see backend_for.)
+        mask = dense_mask(packed_layout.segment_ids.to(query.device), packed_layout.completion_ids.to(query.device),
+                          packed_layout.position_ids.to(query.device), sliding_window)
+        if s_aux is not None:
+            return _dense_attention(module, query, key, value, mask, dropout, scaling, s_aux)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     out = _packed_sdpa(query, key, value, packed_layout, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _causal_mask(q_len: int, k_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[1, 1, q_len, k_len] causal boolean mask, the queries being the last q_len positions."""
+    q = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    k = torch.arange(k_len, device=device)[None, :]
+    mask = k <= q
+    if window is not None:
+        mask &= q - k < window
+    return mask[None, None]
+
+
+def _dense_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     mask: torch.Tensor, dropout: float, scaling: float | None,
+                     sinks: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """Softmax attention with a per-head sink logit in the denominator (GPT-OSS), under a boolean
+    (or additive) mask; [B, T, H, D] out. Float32 scores; the sink takes probability, no value."""
+    rep = query.shape[1] // key.shape[1]
+    key, value = (t.repeat_interleave(rep, dim=1) if rep > 1 else t for t in (key, value))
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = (query.float() @ key.float().transpose(-1, -2)) * scale
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask.float()
+    b, h, t, _ = scores.shape
+    sink = sinks.float().reshape(1, h, 1, 1).expand(b, h, t, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    out = probs.to(value.dtype) @ value
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -139,13 +202,17 @@ def register_packed_attention() -> None:
     _registered = True
 
 
-def dense_mask(segment_ids: torch.Tensor, completion_ids: torch.Tensor) -> torch.Tensor:
-    """[1, 1, T, T] boolean mask, True where query (row) may attend key (column)."""
+def dense_mask(segment_ids: torch.Tensor, completion_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+               window: int | None = None) -> torch.Tensor:
+    """[1, 1, T, T] boolean mask, True where query (row) may attend key (column); with a sliding
+    window, keys `window` or more positions (in the sequence, not the row) back are dropped."""
     t = segment_ids.numel()
     idx = torch.arange(t, device=segment_ids.device)
     mask = idx[None, :] <= idx[:, None]
     mask &= segment_ids[None, :] == segment_ids[:, None]
     mask &= (completion_ids[None, :] == 0) | (completion_ids[None, :] == completion_ids[:, None])
+    if window is not None and position_ids is not None:
+        mask &= position_ids[:, None] - position_ids[None, :] < window
     return mask[None, None]
 
 

@@ -94,6 +94,9 @@ def shard_policy(policy: Policy) -> None:
     On GPU: float32 sharded parameters, bf16 compute, float32 gradient reduction; on CPU float32
     throughout. Gradients are summed over ranks (the loss weights are already global).
     """
+    if policy.model_cfg.quantization != "none":
+        raise UserError(f"model.quantization={policy.model_cfg.quantization} is not supported with FSDP2 "
+                        "trainer ranks (cluster.trainer_workers > 1): FSDP2 shards float parameters")
     roots = [policy.row_model]
     if policy.reference_row_model is not None:
         roots.append(policy.reference_row_model)

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
+import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,7 @@ from sleuth.train.logprobs import token_logprobs
 from sleuth.train.packing import PackedRow
 
 ADAPTER = "default"
+log = logging.getLogger(__name__)
 
 
 class RowLogprobs(torch.nn.Module):
@@ -43,8 +47,12 @@ class RowLogprobs(torch.nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids: torch.Tensor, predictor_index: torch.Tensor, target_ids: torch.Tensor,
-                **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, predictor_index: torch.Tensor | None = None,
+                target_ids: torch.Tensor | None = None, **model_kwargs: Any) -> Any:
+        """(logprob, entropy) of `target_ids` predicted at `predictor_index`; without targets the
+        model's own full forward and its logits (the self-check's reference)."""
+        if target_ids is None or predictor_index is None:
+            return self.lm(input_ids=input_ids, use_cache=False, **model_kwargs).logits
         out = self.lm.model(input_ids=input_ids, use_cache=False, **model_kwargs)
         hidden = out.last_hidden_state[0].index_select(0, predictor_index)
         return token_logprobs(hidden, self.lm.get_output_embeddings(), target_ids)
@@ -58,9 +66,14 @@ class Policy:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.tokenizer = tokenizer
         self.model_cfg = model_cfg
-        model.to(self.device)
+        if model_cfg.quantization != "none" and not model_cfg.lora.enabled:
+            raise UserError(f"model.quantization={model_cfg.quantization} needs model.lora.enabled=true "
+                            "(a quantized base is frozen; only an adapter can train on it)")
+        if getattr(model, "hf_quantizer", None) is None:  # bitsandbytes models are placed at load
+            model.to(self.device)
         model.config.use_cache = False
         self._reference_model: Any = None
+        self._lora_by_param: dict[str, Any] | None = None
         if model_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if model_cfg.lora.enabled:
@@ -74,6 +87,7 @@ class Policy:
                 target_modules=lora.target_modules, task_type="CAUSAL_LM",
             )
             model = get_peft_model(model, peft_cfg, autocast_adapter_dtype=lora.dtype == "float32")
+            _note_unadapted(model)
         else:
             if need_reference:
                 self._reference_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -93,7 +107,11 @@ class Policy:
         from sleuth.models import load_causal_lm, load_tokenizer
 
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = load_causal_lm(model_cfg.path, model_cfg.dtype, attn_implementation=backend_for(dev))
+        quant = quantization_config(model_cfg.quantization, model_cfg.dtype)
+        extra = {"quantization_config": quant, "device_map": str(dev)} if quant is not None else {}
+        model = load_causal_lm(model_cfg.path, model_cfg.dtype, attn_implementation=backend_for(dev), **extra)
+        if backend_for(dev, model.config) != model.config._attn_implementation:  # windows or sinks
+            model.set_attn_implementation(backend_for(dev, model.config))
         tokenizer = load_tokenizer(model_cfg.path)
         return cls(model, tokenizer, model_cfg, need_reference, dev)
 
@@ -105,6 +123,14 @@ class Policy:
     def causal_lm(self) -> Any:
         """The transformers CausalLM (with LoRA layers injected when LoRA is on)."""
         return self.model.get_base_model() if self.is_lora else self.model
+
+    @property
+    def adapter_is_portable(self) -> bool:
+        """Whether the adapter alone, applied to the unquantized base checkpoint, reproduces this
+        policy: LoRA on linear layers only (not PEFT's fused-expert ParamWrappers, whose tensors
+        are not B @ A of a weight) and no quantized base."""
+        return (self.is_lora and self.model_cfg.quantization == "none"
+                and not any(hasattr(m, "parameter_name") for m in self._lora_layers().values()))
 
     @property
     def has_reference(self) -> bool:
@@ -162,39 +188,68 @@ class Policy:
 
     @torch.no_grad()
     def naive_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
-        """Completion logprobs from one plain causal forward of [prompt | completion] (self-check)."""
+        """Completion logprobs from one plain causal forward of [prompt | completion] (self-check):
+        the model's own logits, so a head that is more than a linear layer (logit soft-capping or
+        scaling, which row_logprobs does not apply) fails the self-check too."""
         ids = torch.tensor([prompt_ids + completion_ids], device=self.device)
-        p = len(prompt_ids)
-        predictors = torch.arange(p - 1, p - 1 + len(completion_ids), device=self.device)
+        p, n = len(prompt_ids), len(completion_ids)
+        logits = self.row_model(ids)[0, p - 1 : p - 1 + n].float()
         targets = torch.tensor(completion_ids, device=self.device)
-        return self.row_model(ids, predictors, targets)[0]
+        return torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
 
     # ------------------------------------------------------------------ weights
 
     @torch.no_grad()
     def sync_state(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) of the full weights, LoRA merged in (the adapter itself untouched)."""
+        """(HF name, tensor) of the full weights, LoRA merged in (the adapter itself untouched).
+
+        A LoRA layer on a linear module adapts its `weight`; PEFT's ParamWrapper (fused MoE expert
+        stacks, nested one per adapted parameter) adapts the parameter it names. Either way the
+        HF name is the parameter's name with PEFT's `.base_layer` hops removed."""
         lm = self.causal_lm
         if not self.is_lora:
             for name, p in lm.named_parameters():
                 yield name, p.detach()
             return
-        from peft.tuners.lora import LoraLayer
-
-        lora_modules = {name: m for name, m in lm.named_modules() if isinstance(m, LoraLayer)}
         for name, p in lm.named_parameters():
             if ".lora_" in name:
                 continue
-            if ".base_layer." not in name:
-                yield name, p.detach()
-                continue
-            module_name, _, leaf = name.partition(".base_layer.")
-            module = lora_modules[module_name]
-            if leaf == "weight" and not module.merged and ADAPTER in module.lora_A:
-                delta = module.get_delta_weight(ADAPTER)
-                yield f"{module_name}.weight", (p.float() + delta.float()).to(p.dtype)
+            hf_name = name.replace(".base_layer", "")
+            layer = self._lora_layers().get(hf_name)
+            value = self._dequantized(name, p)
+            if layer is not None and not layer.merged and ADAPTER in layer.lora_A:
+                yield hf_name, (value.float() + layer.get_delta_weight(ADAPTER).float()).to(value.dtype)
             else:
-                yield f"{module_name}.{leaf}", p.detach()
+                yield hf_name, value
+
+    def _dequantized(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """The parameter in the compute dtype: bitsandbytes 4/8-bit weights dequantized."""
+        kind = type(p).__name__
+        if kind not in ("Params4bit", "Int8Params"):
+            return p.detach()
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.model_cfg.dtype]
+        if kind == "Params4bit":
+            from bitsandbytes.functional import dequantize_4bit
+
+            return dequantize_4bit(p.data, p.quant_state).to(dtype)
+        # LLM.int8: row-wise absmax scaling, int8 value * row scale / 127. (PEFT's helper re-places
+        # the module afterwards, which drops the scales of a CPU module.)
+        scales = p.SCB if getattr(p, "SCB", None) is not None else self.causal_lm.get_submodule(
+            name.rsplit(".", 1)[0]).state.SCB
+        return (p.data.float() * scales.float()[:, None] / 127.0).to(dtype)
+
+    def _lora_layers(self) -> dict[str, Any]:
+        """HF parameter name -> the LoRA layer adapting it (cached; the module tree never changes)."""
+        if self._lora_by_param is None:
+            from peft.tuners.lora import LoraLayer
+
+            found = {}
+            for name, m in self.causal_lm.named_modules():
+                if isinstance(m, LoraLayer):
+                    leaf = getattr(m, "parameter_name", None) or "weight"
+                    found[f"{name.replace('.base_layer', '')}.{leaf}"] = m
+            self._lora_by_param = found
+        return self._lora_by_param
 
     def save(self, out_dir: str | Path) -> Path:
         """Adapter (LoRA: adapter_config.json + adapter_model.safetensors) or full HF weights."""
@@ -251,8 +306,42 @@ class Policy:
         lm = self.causal_lm
         config = copy.deepcopy(lm.config)
         config.use_cache = True
+        if hasattr(config, "quantization_config"):  # the export holds dequantized weights
+            del config.quantization_config
         config.save_pretrained(out)
         if getattr(lm, "generation_config", None) is not None:
             lm.generation_config.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         return out
+
+
+def quantization_config(name: str, dtype: str) -> Any:
+    """The transformers BitsAndBytesConfig for model.quantization (None for "none").
+
+    bitsandbytes 0.50 runs 4-bit and 8-bit layers on CPU as well as CUDA (checked on the AVX2
+    development CPU, docs/benchmarks.md). The 4-bit layers compute in the model's dtype."""
+    if name == "none":
+        return None
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError(f"model.quantization={name} needs bitsandbytes: pip install 'sleuth[quant]'")
+    import warnings
+
+    from transformers import BitsAndBytesConfig
+
+    # LLM.int8 on CPU warns on every forward that it casts inputs to float16.
+    warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
+    if name == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute)
+
+
+def _note_unadapted(model: Any) -> None:
+    """Log the weight matrices of the decoder layers that LoRA leaves frozen: those PEFT cannot
+    wrap (GPT-OSS's fused experts and router are neither nn.Linear nor recognised expert stacks).
+    Every adapted parameter sits under a `.base_layer.` (a LoRA linear or a ParamWrapper)."""
+    skipped = sorted({re.sub(r"\.\d+\.", ".N.", n) for n, p in model.named_parameters()
+                      if p.dim() >= 2 and not p.requires_grad and ".layers." in n and ".base_layer." not in n})
+    if skipped:
+        log.warning("LoRA leaves these weights frozen (PEFT cannot wrap them): %s", ", ".join(skipped))

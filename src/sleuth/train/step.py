@@ -39,6 +39,13 @@ on SmolLM2-135M, 30 layers, docs/benchmarks.md train_step) but single tokens dif
 4.9 nats from rounding alone, so bf16 is judged on the mean only."""
 
 
+SELF_CHECK_TOL_QUANTIZED = (math.inf, 0.01)
+"""The same for a bitsandbytes-quantized base (model.quantization): LLM.int8 picks its outlier
+columns over the whole batch, so a packed row and a lone sequence see slightly different weights
+(tiny model: max 1.4e-3, mean 2.6e-4; SmolLM2 in docs/benchmarks.md); an ignored mask is still
+off by whole nats on average."""
+
+
 class SelfCheckError(UserError):
     """Packed and naive logprobs disagree: the model's attention does not honour the packed mask."""
 
@@ -318,12 +325,14 @@ class Trainer:
             policy.model.train(was_training)
         diff = torch.cat(diffs)
         max_tol, mean_tol = SELF_CHECK_TOL.get(policy.compute_dtype, SELF_CHECK_TOL[torch.bfloat16])
+        if policy.model_cfg.quantization != "none":
+            max_tol, mean_tol = SELF_CHECK_TOL_QUANTIZED
         max_diff, mean_diff = float(diff.max()), float(diff.mean())
         if not (max_diff <= max_tol and mean_diff <= mean_tol):
             raise SelfCheckError(
                 f"packed-sequence self-check failed: logprobs differ from separate sequences by up to "
                 f"{max_diff:.3g} (mean {mean_diff:.3g}) with attn_implementation="
                 f"'{policy.attn_backend}'; this model's attention ignores the packed mask "
-                f"(use sdpa on CPU, flex_attention on CUDA)"
+                f"(use sdpa on CPU, flex_attention on CUDA) or its output head is not a plain linear layer"
             )
         return {"self_check_max_diff": max_diff, "self_check_mean_diff": mean_diff}

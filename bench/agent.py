@@ -1,0 +1,143 @@
+"""Agents: what the OpenAI-compatible gateway costs per call, and episode throughput.
+
+    python bench/agent.py [--calls 200] [--episodes 64]
+
+(1) prefix-tree packing against one sequence per call: helper `tree`'s part (train/packing.py);
+    not measured here yet (see docs/benchmarks.md).
+(2) Gateway overhead per call: the same request sent directly to an engine (`engine.generate`) and
+    through the gateway with the real `openai` client over HTTP, paired call by call; overhead =
+    gateway - direct. With a scripted engine (replies at no model cost, so the difference is all
+    HTTP, request checks, chat template, tokenization, tool parsing and episode bookkeeping), on
+    multi-turn calls: turn t of an 8-turn episode whose environment turns are ~300 tokens each.
+(3) Throughput: 64 concurrent episodes of examples/guess_number.py (4 calls each, 16 tokens per
+    call) through the gateway on the tiny model with the transformers engine, against generating
+    the same number of calls directly (same prompts, one request per call, all concurrent).
+Last line: `name=value` pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import openai
+
+from sleuth.config import TaskConfig
+from sleuth.gateway.app import Gateway, GatewayServer
+from sleuth.gateway.episodes import last_sampled_run
+from sleuth.hardware import cpu_description
+from sleuth.records import SamplingParams
+from sleuth.rollout.base import GenerationRequest
+from sleuth.tasks.episodes import EpisodeRunner, SharedHTTP
+from sleuth.testing.scripted import ScriptedEngine
+from sleuth.testing.tiny_model import build_tokenizer, write_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TURNS = 8
+ENV_TEXT = "observation: " + " ".join(f"row{i}={i * 7 % 13}" for i in range(60))  # ~300 tokens (byte-level: more)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def overhead(calls: int) -> tuple[list[float], list[float]]:
+    """Paired (direct, gateway) seconds per call over multi-turn episodes with a scripted engine."""
+    tok = build_tokenizer()
+    reply = "I will look at rows 3 and 7 next, then decide. " * 2
+    engine = ScriptedEngine(tok, [reply], context_len=32768)
+    gateway = Gateway(engine, tok, SamplingParams(max_tokens=200))
+    direct, through = [], []
+    with GatewayServer(gateway) as server:
+
+        async def run() -> None:
+            async with SharedHTTP.open() as http:
+                while len(through) < calls:
+                    ep = gateway.store.open(SamplingParams(max_tokens=200, seed=0))
+                    client = openai.AsyncOpenAI(base_url=server.url(ep.id), api_key="x", http_client=http,
+                                                max_retries=0)
+                    messages = [{"role": "user", "content": "Investigate the table. " + ENV_TEXT}]
+                    for _ in range(TURNS):
+                        t = time.perf_counter()
+                        r = await client.chat.completions.create(model="policy", messages=messages)
+                        through.append(time.perf_counter() - t)
+                        prompt = engine.prompts[-1]
+                        t = time.perf_counter()
+                        await engine.generate(GenerationRequest(prompt, 1, SamplingParams(max_tokens=200)))
+                        direct.append(time.perf_counter() - t)
+                        messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                                     {"role": "user", "content": ENV_TEXT}]
+                    gateway.store.close(ep.id)
+
+        asyncio.run(run())
+    return direct[:calls], through[:calls]
+
+
+def throughput(episodes: int, model_dir: Path) -> dict[str, float]:
+    """Episodes of guess_number through the gateway vs the same calls made directly."""
+    sys.path.insert(0, str(ROOT))
+    from examples import guess_number
+
+    from sleuth.records import Problem
+    from sleuth.rollout.hf_engine import HFEngine
+
+    engine = HFEngine.from_path(str(model_dir), "float32", context_len=1024)
+    cfg = TaskConfig(name="examples.guess_number:problems", max_turns=guess_number.MAX_GUESSES,
+                     episode_timeout_s=3600)
+    runner = EpisodeRunner(guess_number.rollout, engine, engine.tokenizer, cfg, SamplingParams(max_tokens=16))
+    problems = [Problem(f"p{j}", [{"role": "user", "content": guess_number.PROMPT}], 37 + j) for j in range(8)]
+    try:
+        runner.run(problems[:1], 2, seed=99)  # warm-up
+        t = time.perf_counter()
+        _groups, outcomes = runner.run(problems, episodes // len(problems), seed=0)
+        gateway_s = time.perf_counter() - t
+    finally:
+        runner.close()
+    calls = [turn.ids[:len(turn.ids) - last_sampled_run(turn.mask)] for per in outcomes for o in per
+             for turn in o.episode.turns]
+    sampled = sum(o.episode.sampled_tokens for per in outcomes for o in per)
+    requests = [GenerationRequest(ids, 1, SamplingParams(max_tokens=16, seed=i)) for i, ids in enumerate(calls)]
+    t = time.perf_counter()
+    engine.generate_all(requests)
+    direct_s = time.perf_counter() - t
+    engine.close()
+    return {"episodes": float(sum(map(len, outcomes))), "calls": float(len(calls)), "sampled_tokens": float(sampled),
+            "gateway_s": gateway_s, "direct_s": direct_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--episodes", type=int, default=64)
+    args = parser.parse_args()
+    print(f"cpu: {cpu_description()}")
+    print("(1) prefix-tree packing vs one sequence per call: not measured here (helper tree's part)")
+
+    direct, through = overhead(args.calls)
+    diffs = [g - d for g, d in zip(through, direct, strict=True)]
+    med, p99 = statistics.median(diffs) * 1e3, percentile(diffs, 0.99) * 1e3
+    print(f"(2) gateway overhead per call, {len(diffs)} calls (turns 1..{TURNS} of episodes with ~300-token "
+          "environment turns), scripted engine:")
+    print(f"    direct engine call  median {statistics.median(direct) * 1e3:7.2f} ms")
+    print(f"    through the gateway median {statistics.median(through) * 1e3:7.2f} ms")
+    print(f"    overhead            median {med:7.2f} ms   p99 {p99:7.2f} ms   (target: median < 5 ms)")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tp = throughput(args.episodes, write_tiny_model(Path(tmp) / "tiny"))
+    print(f"(3) {tp['episodes']:.0f} concurrent guess_number episodes on the tiny model (hf engine): "
+          f"{tp['calls']:.0f} calls, {tp['sampled_tokens']:.0f} sampled tokens in {tp['gateway_s']:.1f} s "
+          f"= {tp['episodes'] / tp['gateway_s']:.2f} episodes/s, {tp['calls'] / tp['gateway_s']:.1f} calls/s, "
+          f"{tp['sampled_tokens'] / tp['gateway_s']:.0f} tokens/s; the same calls made directly (all at once, "
+          f"no turn-by-turn waiting): {tp['direct_s']:.1f} s")
+    print(f"overhead_median_ms={med:.2f} overhead_p99_ms={p99:.2f} episodes_per_s={tp['episodes'] / tp['gateway_s']:.3f} "
+          f"calls_per_s={tp['calls'] / tp['gateway_s']:.2f} direct_s={tp['direct_s']:.2f} gateway_s={tp['gateway_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Learning per minute: the embedded default against each lever of issue 14 and their combination.
+
+    .venv/bin/python bench/learning.py [--minutes 4] [--arms default,dynamic,...] [--seeds 0] [--out DIR]
+
+Every arm is `sleuth train` (the embedded default config) with the arm's overrides and a wall-clock
+budget of --minutes (loop.time_budget_min), run in a fresh process one after another. All arms
+evaluate the same held-out puzzles with the same sampling seeds (before training, every
+--eval-every iterations and after the last), so their held-out rewards are comparable point by point.
+The table gives, per arm and seed, the iterations reached, the minutes the run took, the held-out
+reward before and after and the paired gain with its standard error; then the held-out reward
+against wall-clock minutes (the curve `sleuth report RUN_DIR` plots for each run). The last line is
+the final combination's: final_val, chance, minutes, gain_se (the gain in paired standard errors),
+averaged over seeds.
+
+The combination is fixed in advance (every lever that keeps the task as it is) and nothing is tuned
+on the held-out set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from sleuth.checkpoint import CheckpointManager
+from sleuth.evaluate import mean_se
+from sleuth.hardware import cpu_description
+
+ARMS: dict[str, list[str]] = {
+    "default": [],
+    "dynamic": ["algorithm.dynamic_sampling=true"],
+    "overlong": ["algorithm.mask_truncated=true", "algorithm.overlong_buffer=16"],
+    "overlap": ["loop.max_staleness=1"],
+    "curriculum": ["task.difficulty=1 -> 2 at 0.6"],
+    "bf16": ["model.dtype=bfloat16"],
+    "combined": ["algorithm.dynamic_sampling=true", "algorithm.mask_truncated=true",
+                 "algorithm.overlong_buffer=16", "loop.max_staleness=1"],
+}
+DEFAULT_ARMS = "default,dynamic,overlong,overlap,curriculum,combined"
+
+
+def run_arm(name: str, seed: int, minutes: float, eval_every: int, out: Path) -> dict[str, Any]:
+    run_dir = out / f"{name}-seed{seed}"
+    args = [sys.executable, "-m", "sleuth", "train", *ARMS[name], f"loop.time_budget_min={minutes}",
+            f"loop.eval_every={eval_every}", f"loop.seed={seed}", "loop.iterations=1000",
+            "logging.tensorboard=false", "--out", str(run_dir)]
+    start = time.perf_counter()
+    proc = subprocess.run(args, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"arm {name} seed {seed} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return summarize(run_dir, name, seed, wall)
+
+
+def summarize(run_dir: Path, name: str, seed: int, wall_s: float) -> dict[str, Any]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    latest = CheckpointManager(run_dir / "checkpoints").latest()
+    if latest is None:  # the budget was spent before a first iteration could start
+        before = after = {"avg": rows[0]["val_reward"], "chance": rows[0].get("val_chance"), "per_problem": [0.0]}
+    else:
+        before, after = latest.state["val_before"], latest.state["val_last"]
+    diffs = [a - b for a, b in zip(after["per_problem"], before["per_problem"], strict=True)]
+    gain, se = mean_se(diffs)
+    curve = [(r["time/elapsed_min"], r["val_reward"]) for r in rows if "val_reward" in r]
+    return {"arm": name, "seed": seed, "iterations": rows[-1]["iteration"], "wall_min": wall_s / 60,
+            "run_min": rows[-1]["time/elapsed_min"], "before": before["avg"], "after": after["avg"],
+            "chance": before.get("chance"), "gain": gain, "gain_se": se, "curve": curve}
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    print(f"{'arm':<11} {'seed':>4} {'iters':>5} {'run_min':>7} {'wall_min':>8} {'before':>6} {'after':>6} "
+          f"{'chance':>6} {'gain':>7} {'se':>6}")
+    for r in results:
+        print(f"{r['arm']:<11} {r['seed']:>4} {r['iterations']:>5} {r['run_min']:>7.2f} {r['wall_min']:>8.2f} "
+              f"{r['before']:>6.3f} {r['after']:>6.3f} {r['chance'] or math.nan:>6.3f} {r['gain']:>+7.3f} "
+              f"{r['gain_se']:>6.3f}")
+    print("\nheld-out reward against wall-clock minutes (minutes:reward)")
+    for r in results:
+        points = "  ".join(f"{m:.2f}:{v:.3f}" for m, v in r["curve"])
+        print(f"{r['arm']:<11} {r['seed']:>4}  {points}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=4.0, help="time budget of each run")
+    parser.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, from {', '.join(ARMS)}")
+    parser.add_argument("--seeds", default="0", help="comma-separated loop.seed values")
+    parser.add_argument("--eval-every", type=int, default=4, help="iterations between held-out evaluations")
+    parser.add_argument("--out", default=None, help="where the runs go (default: a temporary folder)")
+    args = parser.parse_args()
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    out = Path(args.out or tempfile.mkdtemp(prefix="sleuth-learning-"))
+    print(f"# cpu: {cpu_description()}")
+    print(f"# {len(arms)} arms x {len(seeds)} seeds, {args.minutes} minutes each, runs in {out}", flush=True)
+    results = []
+    for name in arms:
+        for seed in seeds:
+            results.append(run_arm(name, seed, args.minutes, args.eval_every, out))
+            r = results[-1]
+            print(f"# {name} seed {seed}: {r['iterations']} iterations, {r['after']:.3f} after "
+                  f"({r['gain']:+.3f} ± {r['gain_se']:.3f})", flush=True)
+    (out / "learning.json").write_text(json.dumps(results, indent=1))
+    print_table(results)
+    last = [r for r in results if r["arm"] == arms[-1]]
+    final = sum(r["after"] for r in last) / len(last)
+    minutes = sum(r["wall_min"] for r in last) / len(last)
+    gain_se = sum(r["gain"] / r["gain_se"] if r["gain_se"] > 0 else math.nan for r in last) / len(last)
+    chance = last[0]["chance"]
+    print(f"final_val={final:.3f} chance={chance if chance is None else round(chance, 3)} "
+          f"minutes={minutes:.2f} gain_se={gain_se:.2f}")
+
+
+if __name__ == "__main__":
+    main()

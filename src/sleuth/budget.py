@@ -1,0 +1,68 @@
+"""A wall-clock budget for a whole run: start no iteration that would end past it.
+
+    budget = TimeBudget(minutes=15)
+    budget.restore(checkpoint_state.get("budget"))   # a resumed run: the time already spent counts
+    budget.reserve_s = 1.25 * eval_seconds          # kept for the final evaluation and export
+    while budget.allows_next():
+        t = time.perf_counter(); run_iteration(); budget.record(time.perf_counter() - t)
+
+The next iteration's length is estimated as the mean of the last ESTIMATE_WINDOW measured ones
+(iterations vary with dynamic sampling and completion length; a short window follows the trend).
+Before any iteration is measured the first one starts whenever the reserve still fits. The clock
+counts everything since the run started (model loading and evaluations included), and a resumed
+run carries the time its earlier part spent, so a budget of 15 minutes means 15 minutes in total.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+ESTIMATE_WINDOW = 3
+"""Iterations averaged for the estimate of the next one."""
+
+FINAL_EVAL_MARGIN = 1.25
+"""The final evaluation is estimated as this times the measured one before training (completions
+tend to grow with training, and the export follows it)."""
+
+
+class TimeBudget:
+    """Elapsed time, measured iteration lengths, and the decision to start another iteration."""
+
+    def __init__(self, minutes: float | None, elapsed_before_s: float = 0.0,
+                 iteration_s: list[float] | None = None, reserve_s: float = 0.0) -> None:
+        self.limit_s = None if minutes is None else minutes * 60.0
+        self.elapsed_before_s = elapsed_before_s
+        self.iteration_s = list(iteration_s or [])
+        self.reserve_s = reserve_s
+        """Seconds kept free for what follows the last iteration (final evaluation, export)."""
+        self._start = time.perf_counter()
+
+    def restore(self, saved: dict[str, Any] | None) -> None:
+        """Continue from a checkpoint's budget state (the time it had spent is added to the clock)."""
+        if saved:
+            self.elapsed_before_s += float(saved["elapsed_s"])
+            self.iteration_s = [float(s) for s in saved["iteration_s"]]
+            self.reserve_s = float(saved["reserve_s"])
+
+    def state(self) -> dict[str, Any]:
+        return {"elapsed_s": self.elapsed_s(), "iteration_s": self.iteration_s, "reserve_s": self.reserve_s}
+
+    def elapsed_s(self) -> float:
+        return self.elapsed_before_s + time.perf_counter() - self._start
+
+    def record(self, seconds: float) -> None:
+        """The measured length of an iteration just finished."""
+        self.iteration_s.append(seconds)
+
+    def estimate_s(self) -> float | None:
+        """Expected length of the next iteration (None before any was measured)."""
+        recent = self.iteration_s[-ESTIMATE_WINDOW:]
+        return sum(recent) / len(recent) if recent else None
+
+    def allows_next(self, ahead: int = 0) -> bool:
+        """True when the next iteration (and `ahead` more after it) is expected to end, with the
+        reserve kept, within the budget."""
+        if self.limit_s is None:
+            return True
+        return self.elapsed_s() + (1 + ahead) * (self.estimate_s() or 0.0) + self.reserve_s <= self.limit_s

@@ -1,0 +1,262 @@
+"""sleuth's OpenAI-compatible gateway: FastAPI on uvicorn, served from a RolloutEngine.
+
+    gateway = Gateway(engine, tokenizer, SamplingParams(max_tokens=256))
+    with GatewayServer(gateway) as server:               # 127.0.0.1, a free port
+        episode = gateway.store.open(SamplingParams(seed=1), max_turns=8)
+        client = openai.AsyncOpenAI(base_url=server.url(episode.id), api_key="sleuth")
+
+Routes: `/v1/chat/completions` and `/v1/models` (stateless: nothing recorded, what `sleuth serve`
+offers), and the same under `/e/{episode_id}/v1/...`: the episode's calls are recorded token-exact
+(episodes.py); an unknown or closed episode is a 404. Every error is an OpenAI error body with
+its status (400 bad request or context too long, 404 unknown episode or route, 500 engine
+failure), never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from dataclasses import replace
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from sleuth.errors import UserError
+from sleuth.gateway.episodes import (
+    ChatTemplate,
+    Episode,
+    EpisodeStore,
+    Turn,
+    arguments_value,
+    extension_ids,
+    message_key,
+)
+from sleuth.gateway.protocol import (
+    ChatRequest,
+    GatewayError,
+    choice_body,
+    completion_body,
+    cut_at_stop,
+    parse_chat_request,
+    token_logprobs,
+)
+from sleuth.gateway.tools import parse_tool_calls
+from sleuth.records import Sample, SamplingParams
+from sleuth.rollout.base import GenerationRequest, RolloutEngine
+
+MODEL_NAME = "policy"
+
+
+class Gateway:
+    """Chat completions over a rollout engine, with episode bookkeeping."""
+
+    def __init__(self, engine: RolloutEngine, tokenizer: Any, defaults: SamplingParams | None = None,
+                 model_name: str = MODEL_NAME) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.template = ChatTemplate(tokenizer)
+        self.defaults = defaults or SamplingParams()
+        self.model_name = model_name
+        self.store = EpisodeStore()
+
+    async def chat(self, request: ChatRequest, episode: Episode | None) -> dict[str, Any]:
+        parent, prompt = self._prompt(request, episode)
+        sampling = self._sampling(request, episode)
+        if len(prompt) >= self.engine.context_len:
+            raise GatewayError(400, f"the prompt has {len(prompt)} tokens; the model's context is "
+                                    f"{self.engine.context_len} tokens", code="context_length_exceeded",
+                               param="messages")
+        rid = f"{episode.id}-{episode.calls}" if episode else "serve"
+        try:
+            result = await self.engine.generate(GenerationRequest(prompt, request.n, sampling, rid))
+        except UserError as e:
+            raise GatewayError(400, str(e)) from None
+        choices, sampled = [], 0
+        for i, sample in enumerate(result.samples):
+            text = cut_at_stop(sample.text, request.stop)
+            content, calls, bad = (parse_tool_calls(text, f"call-{rid}-{i}") if request.tool_choice != "none"
+                                   else (text, [], 0))
+            choice = choice_body(i, content, calls, sample.finish_reason,
+                                 token_logprobs(self.tokenizer, sample.token_ids, sample.logprobs)
+                                 if request.logprobs else None,
+                                 sample.token_ids if request.return_token_ids else None)
+            choices.append(choice)
+            sampled += len(sample.token_ids)
+            if episode is not None:
+                self._record(episode, request, parent, prompt, sample, choice["message"], bad)
+        if episode is not None:
+            with episode.lock:
+                episode.sampled_tokens += sampled
+        return completion_body(self.model_name, choices, prompt, sampled, request.return_token_ids)
+
+    def _prompt(self, request: ChatRequest, episode: Episode | None) -> tuple[Turn | None, list[int]]:
+        """The parent turn the request extends (None: a new sequence) and the prompt ids."""
+        parent = None
+        if episode is not None:
+            with episode.lock:
+                if episode.max_turns is not None and episode.calls >= episode.max_turns:
+                    raise GatewayError(400, f"episode {episode.id} reached its limit of {episode.max_turns} "
+                                            "calls (task.max_turns)", code="max_turns_exceeded")
+                keys = [message_key(m) for m in request.messages]
+                parent = episode.parent_for(keys, _tools_key(request))
+        if parent is not None:
+            inserted = extension_ids(self.template, parent, request.messages, request.tools)
+            if inserted is not None:
+                return parent, parent.ids + inserted
+            with episode.lock:  # type: ignore[union-attr]
+                episode.counts["template_mismatch"] += 1  # type: ignore[union-attr]
+        text = self.template.render(request.messages, request.tools, generation_prompt=True)
+        return None, self.template.encode(text)
+
+    def _sampling(self, request: ChatRequest, episode: Episode | None) -> SamplingParams:
+        base = episode.sampling if episode is not None else self.defaults
+        max_tokens = request.max_tokens or base.max_tokens
+        if episode is not None:  # training: rollout.max_tokens caps every call
+            max_tokens = min(max_tokens, base.max_tokens)
+        seed = request.seed
+        if episode is not None:
+            with episode.lock:
+                if episode.token_budget is not None:
+                    left = episode.token_budget - episode.sampled_tokens
+                    if left < 1:
+                        raise GatewayError(400, f"episode {episode.id} used its budget of {episode.token_budget} "
+                                                "sampled tokens", code="token_budget_exceeded")
+                    max_tokens = min(max_tokens, left)
+                if seed is None and base.seed is not None:
+                    seed = base.seed + 7919 * episode.calls  # each call of the episode its own draws
+                episode.calls += 1
+        return replace(base, temperature=base.temperature if request.temperature is None else request.temperature,
+                       top_p=base.top_p if request.top_p is None else request.top_p, max_tokens=max_tokens,
+                       stop=request.stop or base.stop, seed=seed)
+
+    def _record(self, episode: Episode, request: ChatRequest, parent: Turn | None, prompt: list[int],
+                sample: Sample, message: dict[str, Any], bad_tool_calls: int) -> None:
+        reply = {"role": "assistant", "content": message["content"] or "",
+                 "tool_calls": [{"function": {"name": c["function"]["name"],
+                                              "arguments": arguments_value(c["function"]["arguments"])}}
+                                for c in message.get("tool_calls", [])]}
+        ids, n = prompt + sample.token_ids, len(sample.token_ids)
+        base_mask = parent.mask if parent is not None else []
+        base_lp = parent.logprobs if parent is not None else []
+        inserted = len(prompt) - len(base_mask)
+        turn = Turn(keys=[message_key(m) for m in request.messages] + [message_key(reply)],
+                    tools_key=_tools_key(request), ids=ids, mask=base_mask + [0] * inserted + [1] * n,
+                    logprobs=base_lp + [0.0] * inserted + list(sample.logprobs),
+                    prompt_len=parent.prompt_len if parent is not None else len(prompt),
+                    finish_reason=sample.finish_reason, text=sample.text)
+        with episode.lock:
+            if parent is not None:
+                parent.extended = True
+            episode.turns.append(turn)
+            episode.counts["bad_tool_calls"] += bad_tool_calls
+
+
+def _tools_key(request: ChatRequest) -> str:
+    return json.dumps(request.tools, sort_keys=True) if request.tools else ""
+
+
+def build_app(gateway: Gateway) -> Any:
+    """The FastAPI application of a Gateway."""
+    app = FastAPI(title="sleuth gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error(e: GatewayError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    def episode_of(episode_id: str) -> Episode:
+        episode = gateway.store.get(episode_id)
+        if episode is None:
+            raise GatewayError(404, f"unknown episode '{episode_id}' (finished, or never opened)",
+                               code="episode_not_found")
+        return episode
+
+    async def complete(request: Request, episode_id: str | None) -> JSONResponse:
+        try:
+            episode = episode_of(episode_id) if episode_id is not None else None
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise GatewayError(400, "the request body is not valid JSON") from None
+            return JSONResponse(await gateway.chat(parse_chat_request(body), episode))
+        except GatewayError as e:
+            return error(e)
+        except Exception as e:  # an engine failure: one line, never a traceback
+            return error(GatewayError(500, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": gateway.model_name, "object": "model", "created": 0,
+                                            "owned_by": "sleuth"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> JSONResponse:
+        return await complete(request, None)
+
+    @app.post("/e/{episode_id}/v1/chat/completions")
+    async def episode_chat(episode_id: str, request: Request) -> JSONResponse:
+        return await complete(request, episode_id)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return models()
+
+    @app.get("/e/{episode_id}/v1/models")
+    async def episode_models(episode_id: str) -> Any:
+        try:
+            episode_of(episode_id)
+        except GatewayError as e:
+            return error(e)
+        return models()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        return error(GatewayError(exc.status_code, str(exc.detail)))
+
+    return app
+
+
+class GatewayServer:
+    """A Gateway served by uvicorn on a background thread (127.0.0.1; port 0: a free one)."""
+
+    def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn
+
+        self.gateway = gateway
+        config = uvicorn.Config(build_app(gateway), host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=1,
+                                access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="sleuth-gateway", daemon=True)
+        self.host, self.port = host, port
+
+    def start(self) -> GatewayServer:
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise UserError(f"the gateway could not listen on {self.host}:{self.port} (port in use?)")
+            self._thread.join(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def url(self, episode_id: str | None = None) -> str:
+        """The base_url for an OpenAI client (of one episode, or stateless)."""
+        root = f"http://{self.host}:{self.port}"
+        return f"{root}/e/{episode_id}/v1" if episode_id is not None else f"{root}/v1"
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> GatewayServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_forever(gateway: Gateway, host: str, port: int) -> None:
+    """Serve in the foreground until interrupted (`sleuth serve`)."""
+    import uvicorn
+
+    config = uvicorn.Config(build_app(gateway), host=host, port=port, log_level="info", lifespan="off")
+    asyncio.run(uvicorn.Server(config).serve())

