@@ -72,7 +72,8 @@ def _rank(rank: int, a: argparse.Namespace, port: int, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def run_cpu(a: argparse.Namespace) -> None:
+def run_cpu(a: argparse.Namespace) -> float:
+    """Print the CPU table and `fsdp2_step_ratio=...`; return the ratio (for bench/scale.py)."""
     torch.set_num_threads(a.threads)
     policy = cpu_policy(a)
     groups = batch(a, policy.causal_lm.config.vocab_size)
@@ -93,7 +94,9 @@ def run_cpu(a: argparse.Namespace) -> None:
     m = sharded["metrics"]
     print(f"| FSDP2 (gloo) | {a.ranks} | {max(1, a.threads // a.ranks)} | {'/'.join(map(str, sharded['rows']))} | "
           f"{m['step_time_s']:.2f} | {m['tokens_per_s']:.0f} | {m['loss']:+.6f} | {m['grad_norm']:.6f} |")
-    print(f"fsdp2_step_ratio={m['step_time_s'] / single['step_time_s']:.3f}")
+    ratio = m["step_time_s"] / single["step_time_s"]
+    print(f"fsdp2_step_ratio={ratio:.3f}")
+    return ratio
 
 
 def gpu_policy(a: argparse.Namespace, device: torch.device) -> Policy:
