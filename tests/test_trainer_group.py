@@ -45,8 +45,15 @@ def local_ray():
     # Ray runs its workers at nice 15: on a machine busy with other work they would starve.
     previous = os.environ.get(NICENESS)
     os.environ[NICENESS] = "0"
-    ray.init(address="local", num_cpus=2, object_store_memory=100 * 1024**2, include_dashboard=False,
-             log_to_driver=False)
+    for attempt in (1, 2):  # Ray gives its raylet 30 s to register: a saturated machine can miss that
+        try:
+            ray.init(address="local", num_cpus=2, object_store_memory=100 * 1024**2,
+                     include_dashboard=False, log_to_driver=False)
+            break
+        except Exception as e:
+            ray.shutdown()
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
     yield
     ray.shutdown()
     if previous is None:
