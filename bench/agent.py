@@ -54,6 +54,8 @@ def overhead(calls: int) -> tuple[list[float], list[float]]:
     engine = ScriptedEngine(tok, [reply], context_len=32768)
     gateway = Gateway(engine, tok, SamplingParams(max_tokens=200))
     direct, through = [], []
+    cpu = {"direct": 0.0, "gateway": 0.0, "raw": 0.0}
+    raw: list[float] = []
     with GatewayServer(gateway) as server:
 
         async def run() -> None:
@@ -64,18 +66,29 @@ def overhead(calls: int) -> tuple[list[float], list[float]]:
                                                 max_retries=0)
                     messages = [{"role": "user", "content": "Investigate the table. " + ENV_TEXT}]
                     for _ in range(TURNS):
-                        t = time.perf_counter()
+                        t, c = time.perf_counter(), time.process_time()
                         r = await client.chat.completions.create(model="policy", messages=messages)
                         through.append(time.perf_counter() - t)
+                        cpu["gateway"] += time.process_time() - c
                         prompt = engine.prompts[-1]
-                        t = time.perf_counter()
+                        # the same request as plain JSON over httpx (no openai client), stateless route
+                        t, c = time.perf_counter(), time.process_time()
+                        await http.post(server.url() + "/chat/completions", json={"messages": messages})
+                        raw.append(time.perf_counter() - t)
+                        cpu["raw"] += time.process_time() - c
+                        t, c = time.perf_counter(), time.process_time()
                         await engine.generate(GenerationRequest(prompt, 1, SamplingParams(max_tokens=200)))
                         direct.append(time.perf_counter() - t)
+                        cpu["direct"] += time.process_time() - c
                         messages += [{"role": "assistant", "content": r.choices[0].message.content},
                                      {"role": "user", "content": ENV_TEXT}]
                     gateway.store.close(ep.id)
 
         asyncio.run(run())
+    n = len(through)
+    print(f"    CPU time of this process (client + server threads) per call: direct {cpu['direct'] / n * 1e3:.2f} ms, "
+          f"through the gateway with the openai client {cpu['gateway'] / n * 1e3:.2f} ms, with plain httpx "
+          f"{cpu['raw'] / n * 1e3:.2f} ms (wall median {statistics.median(raw) * 1e3:.2f} ms)", flush=True)
     return direct[:calls], through[:calls]
 
 
@@ -111,22 +124,34 @@ def throughput(episodes: int, model_dir: Path) -> dict[str, float]:
             "gateway_s": gateway_s, "direct_s": direct_s}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--episodes", type=int, default=64)
-    args = parser.parse_args()
-    print(f"cpu: {cpu_description()}")
-    print("(1) prefix-tree packing vs one sequence per call: not measured here (helper tree's part)")
-
-    direct, through = overhead(args.calls)
+def report_overhead(calls: int) -> tuple[float, float]:
+    direct, through = overhead(calls)
     diffs = [g - d for g, d in zip(through, direct, strict=True)]
     med, p99 = statistics.median(diffs) * 1e3, percentile(diffs, 0.99) * 1e3
     print(f"(2) gateway overhead per call, {len(diffs)} calls (turns 1..{TURNS} of episodes with ~300-token "
           "environment turns), scripted engine:")
-    print(f"    direct engine call  median {statistics.median(direct) * 1e3:7.2f} ms")
-    print(f"    through the gateway median {statistics.median(through) * 1e3:7.2f} ms")
-    print(f"    overhead            median {med:7.2f} ms   p99 {p99:7.2f} ms   (target: median < 5 ms)")
+    print(f"    direct engine call  median {statistics.median(direct) * 1e3:7.2f} ms", flush=True)
+    print(f"    through the gateway median {statistics.median(through) * 1e3:7.2f} ms", flush=True)
+    print(f"    overhead            median {med:7.2f} ms   p99 {p99:7.2f} ms   (target: median < 5 ms)", flush=True)
+    return med, p99
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--episodes", type=int, default=64)
+    parser.add_argument("--parts", default="2,3", help="which parts to run (2: overhead, 3: throughput)")
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    print(f"cpu: {cpu_description()}", flush=True)
+    print("(1) prefix-tree packing vs one sequence per call: not measured here (helper tree's part)", flush=True)
+
+    med = p99 = float("nan")
+    if "2" in parts:
+        med, p99 = report_overhead(args.calls)
+    if "3" not in parts:
+        print(f"overhead_median_ms={med:.2f} overhead_p99_ms={p99:.2f}")
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         tp = throughput(args.episodes, write_tiny_model(Path(tmp) / "tiny"))

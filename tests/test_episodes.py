@@ -141,3 +141,35 @@ def test_train_two_iterations_on_the_guess_number_example(tmp_path):
         assert r["train/sequences"] == 2 * (2 - r["train/groups_dropped"])
     assert "val/reward" in rows[0] and "val/reward" in rows[2]
     assert (run / "model" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_eval_on_an_episode_task(tmp_path, capsys):
+    from pathlib import Path
+
+    from sleuth.cli import main
+    from sleuth.testing.tiny_model import write_tiny_model
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "guess_number.py"
+    model = write_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "eval"
+    code = main(["eval", "--model", str(model), "--task", f"{example}:problems", "--k", "2", "--out", str(out),
+                 "rollout.engine=hf", "model.dtype=float32", "task.eval_size=2", "rollout.max_tokens=4"])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["problems"] == 2 and summary["k"] == 2 and 0 <= summary["avg"] <= 0.5
+    records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and all(r["calls"] == 4 and r["status"] == "ok" for r in records)
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("avg@2=")
+
+
+def test_dry_run_checks_the_episode_function(user_task, tmp_path, capsys):
+    from sleuth.cli import main
+    from sleuth.testing.tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny")
+    base = ["train", "--dry-run", f"model.path={model}", f"task.name={user_task}:problems"]
+    assert main(base) == 0
+    assert "episodes: rollout through the gateway, at most 8 calls each" in capsys.readouterr().out
+    assert main([*base, f"task.rollout={user_task}:missing"]) == 2
+    assert "has no 'missing'" in capsys.readouterr().err

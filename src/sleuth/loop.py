@@ -188,9 +188,11 @@ def train_sampling(cfg: Config) -> SamplingParams:
                           max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
 
 
-def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.stdout,
+def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO | None = None,
           progress: Progress | None = None) -> RunResult:
-    """Run (or continue) the RL loop of `cfg` in `run_dir`. Prints one summary line per iteration."""
+    """Run (or continue) the RL loop of `cfg` in `run_dir`. Prints one summary line per iteration
+    to `out` (None: sys.stdout as it is at the call, not as it was when this module was imported)."""
+    out = out if out is not None else sys.stdout
     L = cfg.loop
     budget = TimeBudget(L.time_budget_min)  # started before setup: loading counts against the budget
     run = setup(cfg, run_dir, resume)
@@ -208,7 +210,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
     interrupted, stop_signal = False, 0
     try:
         with InterruptFlag() as interrupt, progress:
-            if run.start_iteration == 0 and run.eval_problems:
+            if run.start_iteration == 0 and run.eval_problems and "val_before" not in run.state:
                 before = queue.run(_evaluate, run, 0, progress, budget)
                 run.state["val_before"] = before.summary() | {"per_problem": before.per_problem}
                 budget.reserve_s = FINAL_EVAL_MARGIN * before.time_s
@@ -242,8 +244,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.st
                 # 6. Sync the updated weights into the rollout engine (adapter-only with LoRA where
                 #    the engine serves adapters, else full weights; sleuth.sync decides), after any
                 #    generation under way; then the curriculum moves on if this batch earned it.
-                metrics.update(queue.sync(run.sync, version=it) if batch.groups else
-                               {"time/sync_s": 0.0, "sync/bytes": 0.0, "sync/adapter": float(run.sync.mode == "adapter")})
+                metrics.update(queue.sync(run.sync, version=it, changed=bool(batch.groups)))
                 if curriculum.update(batch.reward_mean):
                     print(f"curriculum: reward {batch.reward_mean:.3f} -> difficulty {curriculum.level}",
                           file=out, flush=True)

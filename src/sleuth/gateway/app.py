@@ -100,8 +100,7 @@ class Gateway:
                 if episode.max_turns is not None and episode.calls >= episode.max_turns:
                     raise GatewayError(400, f"episode {episode.id} reached its limit of {episode.max_turns} "
                                             "calls (task.max_turns)", code="max_turns_exceeded")
-                keys = [message_key(m) for m in request.messages]
-                parent = episode.parent_for(keys, _tools_key(request))
+                parent = episode.parent_for(request.keys, _tools_key(request))
         if parent is not None:
             inserted = extension_ids(self.template, parent, request.messages, request.tools)
             if inserted is not None:
@@ -142,7 +141,7 @@ class Gateway:
         base_mask = parent.mask if parent is not None else []
         base_lp = parent.logprobs if parent is not None else []
         inserted = len(prompt) - len(base_mask)
-        turn = Turn(keys=[message_key(m) for m in request.messages] + [message_key(reply)],
+        turn = Turn(keys=[*request.keys, message_key(reply)],
                     tools_key=_tools_key(request), ids=ids, mask=base_mask + [0] * inserted + [1] * n,
                     logprobs=base_lp + [0.0] * inserted + list(sample.logprobs),
                     prompt_len=parent.prompt_len if parent is not None else len(prompt),

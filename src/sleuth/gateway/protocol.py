@@ -10,13 +10,14 @@ which is refused. Errors use OpenAI's shape: {"error": {"message", "type", "para
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from sleuth.errors import UserError
-from sleuth.gateway.episodes import check_messages
+from sleuth.gateway.episodes import check_messages, message_key
 from sleuth.gateway.tools import ToolCall, check_tool_choice, check_tools
 
 MAX_N = 64
@@ -34,7 +35,7 @@ class GatewayError(Exception):
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
-@dataclass(frozen=True)
+@dataclass
 class ChatRequest:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
@@ -47,6 +48,11 @@ class ChatRequest:
     seed: int | None
     logprobs: bool
     return_token_ids: bool
+
+    @functools.cached_property
+    def keys(self) -> list[str]:
+        """message_key of each message (computed once: matching and recording both need them)."""
+        return [message_key(m) for m in self.messages]
 
 
 def _number(body: dict[str, Any], key: str, low: float, high: float, integer: bool = False) -> Any:

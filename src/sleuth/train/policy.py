@@ -227,7 +227,7 @@ class Policy:
         kind = type(p).__name__
         if kind not in ("Params4bit", "Int8Params"):
             return p.detach()
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.model_cfg.dtype]
+        dtype = _torch_dtype(self.model_cfg.dtype)
         if kind == "Params4bit":
             from bitsandbytes.functional import dequantize_4bit
 
@@ -301,7 +301,8 @@ class Policy:
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        state = {name: t.detach().to("cpu").contiguous() for name, t in self.sync_state()}
+        state = _checkpoint_format(self.causal_lm, {name: t.detach().to("cpu").contiguous()
+                                                    for name, t in self.sync_state()})
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         lm = self.causal_lm
         config = copy.deepcopy(lm.config)
@@ -313,6 +314,17 @@ class Policy:
             lm.generation_config.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         return out
+
+
+def _checkpoint_format(lm: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensor names and layout of the model's published checkpoints: transformers 5 fuses some
+    weights at load (MoE experts into one stack per layer) and splits them again on save; vLLM and
+    other loaders read the published layout, so the export does the same as save_pretrained."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # an older transformers: names were never converted
+        return state
+    return {k: v.contiguous() for k, v in revert_weight_conversion(lm, state).items()}
 
 
 def quantization_config(name: str, dtype: str) -> Any:
@@ -332,9 +344,16 @@ def quantization_config(name: str, dtype: str) -> Any:
     warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
     if name == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
-    compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    compute = _torch_dtype(dtype)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=compute)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    """model.dtype as a torch dtype ("auto" resolved for this machine)."""
+    from sleuth.hardware import resolve_dtype
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[resolve_dtype(name)]
 
 
 def _note_unadapted(model: Any) -> None:
