@@ -208,9 +208,11 @@ def train_sampling(cfg: Config) -> SamplingParams:
                           max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
 
 
-def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO = sys.stdout,
+def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO | None = None,
           progress: Progress | None = None) -> RunResult:
-    """Run (or continue) the RL loop of `cfg` in `run_dir`. Prints one summary line per iteration."""
+    """Run (or continue) the RL loop of `cfg` in `run_dir`. Prints one summary line per iteration
+    to `out` (None: sys.stdout as it is at the call, not as it was when this module was imported)."""
+    out = out if out is not None else sys.stdout
     L = cfg.loop
     budget = TimeBudget(L.time_budget_min)  # started before setup: loading counts against the budget
     run = setup(cfg, run_dir, resume)
