@@ -106,3 +106,24 @@ def test_a_transport_plugs_in() -> None:
         assert_engine_matches(policy, engine)
     finally:
         engine.close()
+
+
+def test_a_snapshot_pushes_the_weights_of_when_it_was_taken() -> None:
+    """Overlapped rollouts: the trainer moves on before the engine is free; the engine must get
+    the weights of the snapshot, not the ones the trainer holds by the time of the push."""
+    for lora, mode in ((True, "adapter"), (False, "full"), (True, "full")):
+        policy, engine = make_pair(lora=lora)
+        try:
+            sync = WeightSync(policy, engine, mode=mode)
+            expected = [(n, t.clone()) for n, t in policy.sync_state()]
+            push = sync.snapshot()
+            with torch.no_grad():  # the next update, before the push
+                for p in policy.trainable_parameters():
+                    p.add_(1.0)
+            stats = push()
+            assert stats.mode == mode and stats.bytes > 0
+            params = dict(engine.model.named_parameters())
+            for name, t in expected:
+                torch.testing.assert_close(params[name], t, rtol=1e-5, atol=1e-6)
+        finally:
+            engine.close()
