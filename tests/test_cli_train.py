@@ -141,6 +141,12 @@ def test_new_run_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
     assert (out / "model" / "weights.bin").read_bytes() == b"precious"
     assert (out / "config.yaml").read_text() == "my: own\n"
     assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "model"]
+    only_config = tmp_path / "stopped"
+    only_config.mkdir()
+    (only_config / "config.yaml").write_text("loop: {}\n")
+    assert main(["train", "--out", str(only_config)]) == 2
+    assert "a run stopped before its first iteration); continue it with --resume" in \
+        one_error_line(capsys.readouterr().err)
     file_out = tmp_path / "afile"
     file_out.write_text("x")
     assert main(["train", "--out", str(file_out)]) == 2
@@ -172,8 +178,9 @@ def read_tree(root: Path) -> dict[str, bytes]:
 def test_failed_resume_never_rewrites_the_config(trained_run, tmp_path, capsys):
     run = copy_run(trained_run, tmp_path / "run")
     before = read_tree(run)
-    assert main(["train", "--resume", str(run), "trainer.lr=-1"]) == 2  # invalid: refused at load
-    one_error_line(capsys.readouterr().err)
+    for bad in ("trainer.lr=-1", "algorithm.advantage=grop"):  # invalid: refused when the config loads
+        assert main(["train", "--resume", str(run), bad]) == 2
+        assert bad.split("=")[0] in one_error_line(capsys.readouterr().err)
     assert main(["train", "--resume", str(run), f"model.path={tmp_path / 'gone'}"]) == 2  # fails at start
     assert "is neither a folder nor a known alias" in one_error_line(capsys.readouterr().err)
     assert read_tree(run) == before

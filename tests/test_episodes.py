@@ -61,7 +61,7 @@ def test_rollout_found_in_the_module_or_named(user_task):
 
 
 def test_failing_episodes_score_zero_and_are_counted(user_task):
-    cfg = TaskConfig(name=f"{user_task}:problems", episode_timeout_s=1)
+    cfg = TaskConfig(name=f"{user_task}:problems", episode_timeout_s=8)
     task = build_task(cfg)
     problems = [Problem("p", [{"role": "user", "content": "x"}], 2)]
     runner = runner_for(cfg, task, ["ok", "raise", "hang", "nan"])
@@ -161,3 +161,15 @@ def test_eval_on_an_episode_task(tmp_path, capsys):
     records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(records) == 4 and all(r["calls"] == 4 and r["status"] == "ok" for r in records)
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("avg@2=")
+
+
+def test_dry_run_checks_the_episode_function(user_task, tmp_path, capsys):
+    from sleuth.cli import main
+    from sleuth.testing.tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny")
+    base = ["train", "--dry-run", f"model.path={model}", f"task.name={user_task}:problems"]
+    assert main(base) == 0
+    assert "episodes: rollout through the gateway, at most 8 calls each" in capsys.readouterr().out
+    assert main([*base, f"task.rollout={user_task}:missing"]) == 2
+    assert "has no 'missing'" in capsys.readouterr().err

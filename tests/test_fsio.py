@@ -39,6 +39,14 @@ def test_atomic_folder_replaces_existing_folder(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
+def test_a_killed_writers_temporary_folder_is_removed_by_the_next_write(tmp_path):
+    stale = tmp_path / ".tmp-model-pid999999999-abc"
+    (stale / "sub").mkdir(parents=True)
+    with fsio.atomic_folder(tmp_path / "model") as tmp:
+        (tmp / "a.txt").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
 def test_failed_folder_write_keeps_old_target(tmp_path):
     target = tmp_path / "model"
     with fsio.atomic_folder(target) as tmp:

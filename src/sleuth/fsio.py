@@ -203,6 +203,9 @@ def atomic_folder(target: str | Path) -> Iterator[Path]:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         recover(target)
+        for stale in target.parent.glob(f"{TMP_PREFIX}{target.name}-pid*"):  # a killed writer's
+            if stale.is_dir() and not _pid_alive(stale):
+                _delete_tree(stale)
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{target.name}-pid{os.getpid()}-", dir=target.parent))
     except OSError as e:
         raise environment_error(e, "cannot write", target) from None

@@ -87,21 +87,28 @@ class RolloutQueue:
         self.prefetch(iteration, level)
         return self._batches.pop(iteration).result()
 
-    def sync(self, weights: WeightSync, version: int) -> dict[str, float]:
-        """Push the policy's weights (version `version`) into the engine after the work already queued.
+    def sync(self, weights: WeightSync, version: int, changed: bool = True) -> dict[str, float]:
+        """Bring the engine to policy version `version` after the work already queued.
 
-        Synchronous: pushed now, the sync's metrics returned. Overlapped: the weights are copied now
-        (the trainer goes on changing its own) and pushed by the worker; the copy's time is returned.
+        changed=False (the step made no update: every group was dropped): the engine already holds
+        these weights, so only its version moves on. Synchronous: pushed now, the sync's metrics
+        returned. Overlapped: the weights are copied now (the trainer goes on changing its own) and
+        pushed by the worker; the copy's time is returned.
         """
         start = time.perf_counter()
+        if not changed:
+            self._submit(self._push, None, version)
+            return {"time/sync_s": 0.0, "sync/bytes": 0.0, "sync/adapter": float(weights.mode == "adapter")}
         push = weights.push if self._worker is None else weights.snapshot()
         future = self._submit(self._push, push, version)
         if self._worker is None:
-            return future.result().metrics()
+            stats = future.result()
+            assert stats is not None
+            return stats.metrics()
         return {"time/sync_s": time.perf_counter() - start, "sync/adapter": float(weights.mode == "adapter")}
 
-    def _push(self, push: Callable[[], SyncStats], version: int) -> SyncStats:
-        stats = push()
+    def _push(self, push: Callable[[], SyncStats] | None, version: int) -> SyncStats | None:
+        stats = push() if push is not None else None
         self.engine_version = version
         return stats
 

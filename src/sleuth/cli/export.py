@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{run_dir} is not a sleuth run directory (no config.yaml)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} already exists and is not an empty folder")
+    fsio.check_writable(out.parent if not out.exists() else out)  # before the model loads
     export_checkpoint(run_dir, args.checkpoint, out, adapter_only=args.adapter_only)
     print(out)
     return 0

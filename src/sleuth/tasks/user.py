@@ -13,8 +13,14 @@
   marked "eval", the first cfg.eval_size train problems (then it overlaps training: mark some);
 - or a ready sleuth.tasks.base.Task instance, used as is.
 
+An iterable is read whole at start-up up to 100,000 problems; one that yields more (an endless
+generator, say) is then read lazily: the held-out set comes from what was read, and training takes
+the train problems in the order given, reading more as it needs them. An exception in this code
+(or a syntax error in the file) is reported in one line with the user's file and line.
+
 The verifier is called as `verify(answer, completion_text) -> float` (True/False count as 1/0).
-It runs under sleuth.scoring's time limit: one that raises or overruns scores 0 and is counted.
+It runs under sleuth.scoring's time limit: one that raises, overruns, or returns anything but a
+finite number within [-1e6, 1e6] (a string such as "1.0" included) scores 0 and is counted.
 A module that is not importable from sys.path is also looked up in the current directory, and
 "path/file.py:function" loads a file directly.
 """
