@@ -1,7 +1,7 @@
 """LoRA on a quantized base (model.quantization): weight memory, train step time, self-check difference.
 
     .venv/bin/python bench/quantization.py [--model smollm2-135m-instruct] [--random HIDDEN,LAYERS]
-                                           [--modes none,int8,nf4] [--groups 2]
+                                           [--modes none,int8,nf4] [--groups 2] [--no-step]
 
 For each mode: resident weight memory of the loaded model (transformers' get_memory_footprint)
 against the same model loaded in bf16, the trainer's step time on a fixed batch (groups x 8
@@ -51,12 +51,18 @@ def weight_bytes(path: str, mode: str, dtype: str) -> int:
     return size
 
 
-def run_mode(path: str, mode: str, n_groups: int) -> dict[str, float]:
+def run_mode(path: str, mode: str, n_groups: int, time_step: bool = True) -> dict[str, float]:
     cfg = ModelConfig(path=path, dtype="float32", quantization=mode, lora=LoraConfig(rank=16, alpha=32.0))
     policy = Policy.from_config(cfg, need_reference=False, device="cpu")
     adapter = sum(p.numel() * p.element_size() for p in policy.trainable_parameters())
     trainer = Trainer(policy, _algo(), TrainerConfig(row_tokens=4096), max_tokens=64)
     groups = make_groups(n_groups, policy.causal_lm.get_output_embeddings().weight.shape[0])
+    if not time_step:  # the self-check alone (what the first step runs before training)
+        from sleuth.train.packing import pack_groups
+
+        check = trainer.self_check(groups, pack_groups(groups, trainer.cfg.row_tokens))
+        return {"adapter_bytes": float(adapter), "step_s": float("nan"),
+                "self_check_max": check["self_check_max_diff"], "self_check_mean": check["self_check_mean_diff"]}
     first = trainer.step(groups)
     t = time.perf_counter()
     trainer.step(groups)
@@ -80,6 +86,7 @@ def main() -> None:
     parser.add_argument("--random", default="", help="HIDDEN,LAYERS of an extra random-init Llama")
     parser.add_argument("--modes", default="none,int8,nf4")
     parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--no-step", action="store_true", help="memory and self-check only (no timed steps)")
     a = parser.parse_args()
     torch.manual_seed(0)
     models = [a.model]
@@ -101,7 +108,7 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|")
         for mode in a.modes.split(","):
             low, high = weight_bytes(path, mode, "bfloat16"), weight_bytes(path, mode, "float32")
-            r = run_mode(path, mode, a.groups)
+            r = run_mode(path, mode, a.groups, time_step=not a.no_step)
             ratio = low / ref
             ratios[f"{'smollm2' if name == a.model else 'random'}_{mode}_vs_bf16"] = ratio
             print(f"| {mode} | {low / 2**20:.1f} | {ratio:.0%} | {high / 2**20:.1f} | {r['adapter_bytes'] / 2**20:.1f} | "

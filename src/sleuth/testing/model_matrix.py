@@ -55,6 +55,11 @@ exact dense path whenever the window is shorter than a sequence in the row. On C
 either train on that attention instead of the flex_attention BlockMask. A model whose output head
 is more than a linear layer (logit soft-capping, as in Gemma 2) fails the start-up self-check with
 a one-line error instead of training on wrong logprobs.
+
+Not yet verified: full weight sync into vLLM for the MoE models. transformers 5 fuses each layer's
+experts into one stack at load and the sync sends those internal names, while vLLM's loaders read
+the published per-expert names (the export writes those, through transformers' own reverse
+conversion); the vLLM sync column is what would show it.
 """
 
 

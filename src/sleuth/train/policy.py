@@ -35,6 +35,29 @@ ADAPTER = "default"
 log = logging.getLogger(__name__)
 
 
+class RowLogprobs(torch.nn.Module):
+    """The trainer's forward as one module: the LM body, then chunked logprobs at chosen positions.
+
+    Body and head in one module call (rather than `lm.model(...)` and a separate use of the head
+    weight) lets FSDP2 shard this module as the root: its forward hooks gather the embeddings,
+    final norm and lm_head that sit outside the decoder layers.
+    """
+
+    def __init__(self, lm: Any) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, predictor_index: torch.Tensor | None = None,
+                target_ids: torch.Tensor | None = None, **model_kwargs: Any) -> Any:
+        """(logprob, entropy) of `target_ids` predicted at `predictor_index`; without targets the
+        model's own full forward and its logits (the self-check's reference)."""
+        if target_ids is None or predictor_index is None:
+            return self.lm(input_ids=input_ids, use_cache=False, **model_kwargs).logits
+        out = self.lm.model(input_ids=input_ids, use_cache=False, **model_kwargs)
+        hidden = out.last_hidden_state[0].index_select(0, predictor_index)
+        return token_logprobs(hidden, self.lm.get_output_embeddings(), target_ids)
+
+
 class Policy:
     """A causal LM being trained, with its tokenizer and (optionally) its reference."""
 
@@ -70,6 +93,10 @@ class Policy:
                 self._reference_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.model = model
         self.model.train()
+        self.row_model = RowLogprobs(self.causal_lm)
+        self.reference_row_model = None if self._reference_model is None else RowLogprobs(self._reference_model)
+        self.compute_dtype: torch.dtype = self.causal_lm.dtype
+        """The dtype matmuls run in (FSDP2 mixed precision keeps float32 parameters, computes in bf16)."""
 
     # ------------------------------------------------------------------ construction
 
@@ -128,18 +155,16 @@ class Policy:
 
     # ------------------------------------------------------------------ forward passes
 
-    def _row_forward(self, lm: Any, row: PackedRow) -> tuple[torch.Tensor, torch.Tensor]:
+    def _row_forward(self, row_model: RowLogprobs, row: PackedRow) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.device
-        out = lm.model(
-            input_ids=row.input_ids.to(dev)[None], position_ids=row.position_ids.to(dev)[None],
-            use_cache=False, **attention_kwargs(row, self.attn_backend, dev),
+        return row_model(
+            row.input_ids.to(dev)[None], row.predictor_index.to(dev), row.target_ids.to(dev),
+            position_ids=row.position_ids.to(dev)[None], **attention_kwargs(row, self.attn_backend, dev),
         )
-        hidden = out.last_hidden_state[0].index_select(0, row.predictor_index.to(dev))
-        return token_logprobs(hidden, lm.get_output_embeddings(), row.target_ids.to(dev))
 
     def row_logprobs(self, row: PackedRow) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprob [N] with grad, entropy [N]) of every completion token of a packed row."""
-        return self._row_forward(self.causal_lm, row)
+        return self._row_forward(self.row_model, row)
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[Any]:
@@ -154,8 +179,12 @@ class Policy:
 
     @torch.no_grad()
     def reference_logprobs(self, row: PackedRow) -> torch.Tensor:
-        with self.reference() as ref:
-            return self._row_forward(ref, row)[0]
+        if self.is_lora:
+            with self.model.disable_adapter():
+                return self._row_forward(self.row_model, row)[0]
+        if self.reference_row_model is None:
+            raise RuntimeError("full fine-tuning policy built without a reference (need_reference=False)")
+        return self._row_forward(self.reference_row_model, row)[0]
 
     @torch.no_grad()
     def naive_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
@@ -164,7 +193,7 @@ class Policy:
         scaling, which row_logprobs does not apply) fails the self-check too."""
         ids = torch.tensor([prompt_ids + completion_ids], device=self.device)
         p, n = len(prompt_ids), len(completion_ids)
-        logits = self.causal_lm(input_ids=ids, use_cache=False).logits[0, p - 1 : p - 1 + n].float()
+        logits = self.row_model(ids)[0, p - 1 : p - 1 + n].float()
         targets = torch.tensor(completion_ids, device=self.device)
         return torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
 
@@ -198,7 +227,7 @@ class Policy:
         kind = type(p).__name__
         if kind not in ("Params4bit", "Int8Params"):
             return p.detach()
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.model_cfg.dtype]
+        dtype = _torch_dtype(self.model_cfg.dtype)
         if kind == "Params4bit":
             from bitsandbytes.functional import dequantize_4bit
 
@@ -232,10 +261,18 @@ class Policy:
 
     @torch.no_grad()
     def load_weights(self, in_dir: str | Path) -> None:
-        """Load what save() wrote into this policy (same base model and LoRA settings)."""
+        """Load what save() wrote into this policy (same base model and LoRA settings).
+
+        A sharded checkpoint of FSDP2 ranks (train/fsdp.py) loads too, on any number of processes.
+        """
         from safetensors.torch import load_file
 
+        from sleuth.train.fsdp import is_sharded_checkpoint, load_checkpoint
+
         src = Path(in_dir)
+        if is_sharded_checkpoint(src):
+            load_checkpoint(src, self)
+            return
         if self.is_lora:
             from peft import set_peft_model_state_dict
 
@@ -264,7 +301,8 @@ class Policy:
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        state = {name: t.detach().to("cpu").contiguous() for name, t in self.sync_state()}
+        state = _checkpoint_format(self.causal_lm, {name: t.detach().to("cpu").contiguous()
+                                                    for name, t in self.sync_state()})
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         lm = self.causal_lm
         config = copy.deepcopy(lm.config)
@@ -276,6 +314,17 @@ class Policy:
             lm.generation_config.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         return out
+
+
+def _checkpoint_format(lm: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensor names and layout of the model's published checkpoints: transformers 5 fuses some
+    weights at load (MoE experts into one stack per layer) and splits them again on save; vLLM and
+    other loaders read the published layout, so the export does the same as save_pretrained."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # an older transformers: names were never converted
+        return state
+    return {k: v.contiguous() for k, v in revert_weight_conversion(lm, state).items()}
 
 
 def quantization_config(name: str, dtype: str) -> Any:
@@ -295,9 +344,16 @@ def quantization_config(name: str, dtype: str) -> Any:
     warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
     if name == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
-    compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    compute = _torch_dtype(dtype)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=compute)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    """model.dtype as a torch dtype ("auto" resolved for this machine)."""
+    from sleuth.hardware import resolve_dtype
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[resolve_dtype(name)]
 
 
 def _note_unadapted(model: Any) -> None:
