@@ -2,8 +2,8 @@
 
     python bench/agent.py [--calls 200] [--episodes 64]
 
-(1) prefix-tree packing against one sequence per call: helper `tree`'s part (train/packing.py);
-    not measured here yet (see docs/benchmarks.md).
+(1) Prefix-tree packing against one sequence per call (`--parts 1`, bench/agent_packing.py): one
+    training step of 8 episodes x 4 turns (~300-token tool outputs) on SmolLM2-135M, minutes on a CPU.
 (2) Gateway overhead per call: the same request sent directly to an engine (`engine.generate`) and
     through the gateway with the real `openai` client over HTTP, paired call by call; overhead =
     gateway - direct. With a scripted engine (replies at no model cost, so the difference is all
@@ -140,17 +140,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--episodes", type=int, default=64)
-    parser.add_argument("--parts", default="2,3", help="which parts to run (2: overhead, 3: throughput)")
+    parser.add_argument("--parts", default="2,3",
+                        help="which parts to run (1: tree packing, minutes; 2: overhead, 3: throughput)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     print(f"cpu: {cpu_description()}", flush=True)
-    print("(1) prefix-tree packing vs one sequence per call: not measured here (helper tree's part)", flush=True)
+    tree = ""
+    if "1" in parts:
+        from agent_packing import run_tree_packing  # bench/ is the script's folder
+
+        print("(1) prefix-tree packing vs one sequence per call:", flush=True)
+        r = run_tree_packing()
+        tree = f"tree_step_speedup={r['tree_step_speedup']:.2f} tree_token_ratio={r['tree_token_ratio']:.2f} "
+    else:
+        print("(1) prefix-tree packing vs one sequence per call: not run (--parts 1,2,3 runs it)", flush=True)
 
     med = p99 = float("nan")
     if "2" in parts:
         med, p99 = report_overhead(args.calls)
     if "3" not in parts:
-        print(f"overhead_median_ms={med:.2f} overhead_p99_ms={p99:.2f}")
+        print(f"{tree}overhead_median_ms={med:.2f} overhead_p99_ms={p99:.2f}")
         return
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -160,7 +169,7 @@ def main() -> None:
           f"= {tp['episodes'] / tp['gateway_s']:.2f} episodes/s, {tp['calls'] / tp['gateway_s']:.1f} calls/s, "
           f"{tp['sampled_tokens'] / tp['gateway_s']:.0f} tokens/s; the same calls made directly (all at once, "
           f"no turn-by-turn waiting): {tp['direct_s']:.1f} s")
-    print(f"overhead_median_ms={med:.2f} overhead_p99_ms={p99:.2f} episodes_per_s={tp['episodes'] / tp['gateway_s']:.3f} "
+    print(f"{tree}overhead_median_ms={med:.2f} overhead_p99_ms={p99:.2f} episodes_per_s={tp['episodes'] / tp['gateway_s']:.3f} "
           f"calls_per_s={tp['calls'] / tp['gateway_s']:.2f} direct_s={tp['direct_s']:.2f} gateway_s={tp['gateway_s']:.2f}")
 
 

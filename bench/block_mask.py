@@ -20,25 +20,24 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from sleuth.hardware import cpu_description
+from sleuth.records import Completion, Group, Problem
 from sleuth.train.attention import packed_mask_mod
 from sleuth.train.block_mask import layout_block_mask
+from sleuth.train.packing import pack_groups
 
 SHAPES = {"clue": (1000, 200), "aime": (150, 1000)}
 
 
-def row(prompt: int, completion: int, tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    seg: list[int] = []
-    comp: list[int] = []
-    c, g = 1, 0
-    while len(seg) + prompt + 8 * completion <= tokens:
-        seg += [g] * (prompt + 8 * completion)
-        comp += [0] * prompt
-        for _ in range(8):
-            comp += [c] * completion
-            c += 1
-        g += 1
-    pad = tokens - len(seg)
-    return torch.tensor(seg + [-1] * pad, device=device), torch.tensor(comp + [0] * pad, device=device)
+def row(prompt: int, completion: int, tokens: int, device: torch.device) -> torch.Tensor:
+    """scope_end of a packed row of `tokens` tokens: as many groups of 8 completions as fit, then padding."""
+    groups: list[Group] = []
+    while (len(groups) + 1) * (prompt + 8 * completion) <= tokens:
+        g = len(groups)
+        ids = [g + 1] * prompt
+        comps = [Completion(ids, [1000 + 8 * g + i] * completion, [0.0] * completion, "length", "") for i in range(8)]
+        groups.append(Group(Problem(f"g{g}", [], None), ids, comps, [0.0] * 8))
+    (packed,) = pack_groups(groups, tokens, pad_to_multiple=tokens).rows
+    return packed.scope_end.to(device)
 
 
 def best_of(fn: Callable[[], object], reps: int, device: torch.device) -> tuple[float, object]:
@@ -68,10 +67,10 @@ def main() -> None:
     print("|---|---|---|---|---|")
     heads = {}
     for name, (p, c) in SHAPES.items():
-        seg, comp = row(p, c, a.tokens, dev)
-        mm = packed_mask_mod(seg, comp)
+        scope_end = row(p, c, a.tokens, dev)
+        mm = packed_mask_mod(scope_end)
         t_ref, ref = best_of(partial(create_block_mask, mm, None, None, a.tokens, a.tokens, device=dev), a.reps, dev)
-        t_ours, ours = best_of(partial(layout_block_mask, seg, comp, mm), a.reps, dev)
+        t_ours, ours = best_of(partial(layout_block_mask, scope_end, mm), a.reps, dev)
         same = torch.equal(ref.to_dense(), ours.to_dense()) and torch.equal(ref.full_kv_num_blocks,
                                                                              ours.full_kv_num_blocks)
         print(f"| {name} | {t_ref * 1e3:.2f} | {t_ours * 1e3:.2f} | {t_ref / t_ours:.1f}x | {same} |", flush=True)

@@ -14,28 +14,47 @@ from sleuth.train.attention import (
 from sleuth.train.packing import pack_groups
 
 
+def tree_groups() -> list[Group]:
+    """A branching multi-turn group (three levels below the prompt) and a group of two prompts."""
+    prompt = [5, 6, 7]
+    turn1, tool = list(range(20, 40)), list(range(60, 80))
+    turn2 = list(range(90, 110))
+    trajs = [turn1 + tool + turn2 + [1, 2], turn1 + tool + turn2 + [3], turn1 + tool + [4, 4, 4], [*turn1, 8],
+             [9, 9]]
+    comps = [Completion(prompt, t, [0.0] * len(t), "stop", "", loss_mask=[1] * len(t)) for t in trajs]
+    first = Group(Problem("tree", [], None), prompt, comps, [1.0] * len(comps))
+    other = [11] * 18
+    comps = [Completion(p, c, [0.0] * len(c), "stop", "") for p, c in
+             ((prompt, [30, 31]), ([*other, 12], [40]), ([*other, 13], [41, 42]))]
+    return [first, Group(Problem("prompts", [], None), prompt, comps, [1.0] * 3)]
+
+
 def test_dense_mask_rule() -> None:
     # [prompt p0 p1 | a0 a1 | b0 ] [prompt q0 | c0] [pad]
-    seg = torch.tensor([0, 0, 0, 0, 0, 1, 1, -1])
-    comp = torch.tensor([0, 0, 1, 1, 2, 0, 3, 0])
-    m = dense_mask(seg, comp)[0, 0]
+    scope_end = torch.tensor([5, 5, 4, 4, 5, 7, 7, 8])
+    m = dense_mask(scope_end)[0, 0]
     allowed = {(i, j) for i in range(8) for j in range(8) if bool(m[i, j])}
     expected = {(0, 0), (1, 0), (1, 1),
                 (2, 0), (2, 1), (2, 2), (3, 0), (3, 1), (3, 2), (3, 3),
                 (4, 0), (4, 1), (4, 4),
                 (5, 5), (6, 5), (6, 6), (7, 7)}
     assert allowed == expected
-    assert m.dtype == torch.bool and dense_mask(seg, comp).shape == (1, 1, 8, 8)
+    assert m.dtype == torch.bool and dense_mask(scope_end).shape == (1, 1, 8, 8)
 
 
-def test_flex_mask_mod_follows_the_same_rule() -> None:
+def test_tree_mask_is_the_union_of_each_sequence_causal_mask() -> None:
+    (row,) = pack_groups(tree_groups(), 1000, pad_to_multiple=16).rows
+    assert max(pl.depth for pl in row.placements) == 5 and row.length > row.n_real_tokens
+    expected = torch.zeros(row.length, row.length, dtype=torch.bool)
+    for pl in row.placements:
+        pos = torch.tensor(pl.positions)
+        expected[pos[:, None], pos[None, :]] = torch.ones(len(pos), len(pos), dtype=torch.bool).tril()
+    pad = torch.arange(row.n_real_tokens, row.length)
+    expected[pad, pad] = True
+    assert torch.equal(dense_mask(row.scope_end)[0, 0], expected)
     # The CUDA BlockMask is built from this mask_mod; evaluate it on the full index grid.
-    seg = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, -1, -1])
-    comp = torch.tensor([0, 0, 1, 1, 2, 0, 3, 3, 0, 0])
-    q = torch.arange(10)[:, None]
-    kv = torch.arange(10)[None, :]
-    got = packed_mask_mod(seg, comp)(0, 0, q, kv)
-    assert torch.equal(got, dense_mask(seg, comp)[0, 0])
+    q, kv = torch.arange(row.length)[:, None], torch.arange(row.length)[None, :]
+    assert torch.equal(packed_mask_mod(row.scope_end)(0, 0, q, kv), expected)
 
 
 def test_backend_selection() -> None:
@@ -53,27 +72,28 @@ def test_sdpa_llama_with_packed_mask_matches_separate_sequences() -> None:
     (row,) = pack_groups([group], 64).rows
     with torch.no_grad():
         packed = model(input_ids=row.input_ids[None], position_ids=row.position_ids[None],
-                       attention_mask=dense_mask(row.segment_ids, row.completion_ids)).logits[0]
+                       attention_mask=dense_mask(row.scope_end)).logits[0]
         for pl, c in zip(row.placements, comps):
             alone = model(input_ids=torch.tensor([prompt + c])).logits[0]
-            torch.testing.assert_close(packed[pl.start : pl.start + pl.length], alone[len(prompt):],
-                                       rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(packed[: len(prompt)], alone[: len(prompt)], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(packed[list(pl.positions)], alone, rtol=1e-5, atol=1e-5)
 
 
 LONG_PROMPT = list(range(50, 62))
 
 
-@pytest.mark.parametrize("layout", ["short_prompts", "batched_completions"])
+@pytest.mark.parametrize("layout", ["short_prompts", "batched_completions", "trees"])
 def test_packed_attention_equals_dense_mask_forward_and_backward(layout: str) -> None:
     register_packed_attention()
-    if layout == "short_prompts":
+    if layout == "trees":
+        specs = []
+        budget, length, real = 1000, 104, 100
+    elif layout == "short_prompts":
         specs = [([5, 6, 7], [[20, 21], [30, 31, 32, 33]]), ([9] * 5, [[40], [41, 42]])]
         budget, length, real = 64, 24, 17
     else:  # unequal completions of one long prompt: batched in length buckets, padded, reordered
         specs = [(LONG_PROMPT, [[20, 21, 22, 23], [30, 31, 32, 33, 34], [35, 36, 37, 38, 39], [24, 25, 26], [40]])]
         budget, length, real = 64, 32, 30
-    groups = []
+    groups = tree_groups() if layout == "trees" else []
     for g, (prompt, comps) in enumerate(specs):
         groups.append(Group(Problem(f"p{g}", [], None), prompt,
                             [Completion(prompt, c, [0.0] * len(c), "stop", "") for c in comps], [1.0] * len(comps)))
@@ -90,6 +110,12 @@ def test_packed_attention_equals_dense_mask_forward_and_backward(layout: str) ->
         results.append((real.detach(), [p.grad.clone() for p in model.model.parameters()]))
     (h_dense, g_dense), (h_packed, g_packed) = results
     torch.testing.assert_close(h_packed, h_dense, rtol=1e-5, atol=1e-6)
+    if layout == "trees":  # and both equal each sequence computed alone
+        model = build_model(hidden=32, layers=2, heads=4, kv_heads=2, seed=3)
+        for pl in row.placements:
+            comp = groups[pl.group].completions[pl.completion]
+            alone = model.model(input_ids=torch.tensor([comp.prompt_ids + comp.completion_ids])).last_hidden_state[0]
+            torch.testing.assert_close(h_packed[list(pl.positions)], alone.detach(), rtol=1e-5, atol=1e-5)
     for a, b in zip(g_packed, g_dense, strict=True):  # 1e-5 relative, as the trainer's equality tests
         assert float((a - b).norm()) <= 1e-5 * float(b.norm()) + 1e-9
     # Without a layout the packed implementation is plain sdpa (e.g. for generation).
@@ -115,7 +141,7 @@ def test_dropout_falls_back_to_the_dense_mask() -> None:
     torch.manual_seed(7)
     got, _ = packed_attention_forward(module, q, k, v, None, dropout=0.5, packed_layout=layout)
     torch.manual_seed(7)
-    mask = dense_mask(row.segment_ids, row.completion_ids)
+    mask = dense_mask(row.scope_end)
     want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                                             attn_mask=mask, dropout_p=0.5)
     torch.testing.assert_close(got, want.transpose(1, 2))

@@ -1,4 +1,5 @@
-"""The layout-built BlockMask equals create_block_mask's, block for block (built on the CPU)."""
+"""The layout-built BlockMask equals create_block_mask's, block for block (built on the CPU), for
+single-turn and prefix-tree rows."""
 
 from __future__ import annotations
 
@@ -9,40 +10,43 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
+from sleuth.records import Completion, Group, Problem
 from sleuth.train.attention import flex_block_mask, packed_mask_mod
 from sleuth.train.block_mask import block_states, layout_block_mask
+from sleuth.train.packing import pack_groups
 
 
-def _row(rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random packed-row ids: prompts with completions of random lengths, then padding."""
-    seg: list[int] = []
-    comp: list[int] = []
-    next_comp = 1
+def _row(rng: random.Random) -> torch.Tensor:
+    """scope_end of a random packed row: single-turn groups (prompts with completions of random
+    lengths), a multi-turn group whose episodes share turns and then branch, then padding."""
+    groups = []
     for g in range(rng.randint(1, 4)):
-        plen = rng.randint(1, 90)
-        seg += [g] * plen
-        comp += [0] * plen
-        for _ in range(rng.randint(0, 5)):
-            n = rng.randint(1, 70)
-            seg += [g] * n
-            comp += [next_comp] * n
-            next_comp += 1
-    pad = rng.choice([0, 0, rng.randint(1, 40)])
-    return torch.tensor(seg + [-1] * pad), torch.tensor(comp + [0] * pad)
+        prompt = [rng.randrange(1, 200) for _ in range(rng.randint(1, 90))]
+        comps = [[rng.randrange(200, 400) for _ in range(rng.randint(1, 70))] for _ in range(rng.randint(1, 5))]
+        groups.append(Group(Problem(f"g{g}", [], None), prompt,
+                            [Completion(prompt, c, [0.0] * len(c), "stop", "") for c in comps], [0.0] * len(comps)))
+    shared = [rng.randrange(400, 500) for _ in range(rng.randint(16, 60))]
+    trajs = [shared + [rng.randrange(500, 600) for _ in range(rng.randint(1, 50))] for _ in range(rng.randint(2, 4))]
+    trajs.append([rng.randrange(500, 600) for _ in range(rng.randint(1, 30))])
+    prompt = [rng.randrange(1, 200) for _ in range(rng.randint(1, 40))]
+    groups.append(Group(Problem("tree", [], None), prompt,
+                        [Completion(prompt, t, [0.0] * len(t), "stop", "") for t in trajs], [0.0] * len(trajs)))
+    (row,) = pack_groups(groups, 100_000, pad_to_multiple=rng.choice([1, 1, rng.randint(2, 40)])).rows
+    return row.scope_end
 
 
-def _reference(seg: torch.Tensor, comp: torch.Tensor, block: int) -> Any:
-    t = seg.numel()
-    return create_block_mask(packed_mask_mod(seg, comp), None, None, t, t, device="cpu", BLOCK_SIZE=block)
+def _reference(scope_end: torch.Tensor, block: int) -> Any:
+    t = scope_end.numel()
+    return create_block_mask(packed_mask_mod(scope_end), None, None, t, t, device="cpu", BLOCK_SIZE=block)
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_layout_block_mask_equals_create_block_mask(seed: int) -> None:
     rng = random.Random(seed)
-    seg, comp = _row(rng)
+    scope_end = _row(rng)
     block = rng.choice([8, 16, 32])
-    ref = _reference(seg, comp, block)
-    ours = layout_block_mask(seg, comp, packed_mask_mod(seg, comp), block=block)
+    ref = _reference(scope_end, block)
+    ours = layout_block_mask(scope_end, packed_mask_mod(scope_end), block=block)
     assert torch.equal(ours.to_dense(), ref.to_dense())
     for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
         assert torch.equal(getattr(ours, name), getattr(ref, name)), name
@@ -55,11 +59,11 @@ def test_layout_block_mask_equals_create_block_mask(seed: int) -> None:
 
 def test_block_states_match_the_dense_rule() -> None:
     """Every block pair: full iff all its token pairs are allowed, partial iff some but not all."""
-    seg, comp = _row(random.Random(99))
-    t, block = seg.numel(), 16
-    mm = packed_mask_mod(seg, comp)
+    scope_end = _row(random.Random(99))
+    t, block = scope_end.numel(), 16
+    mm = packed_mask_mod(scope_end)
     dense = mm(None, None, torch.arange(t)[:, None], torch.arange(t)[None, :])
-    partial, full = block_states(seg, comp, mm, block=block)
+    partial, full = block_states(scope_end, mm, block=block)
     nb = -(-t // block)
     for qb in range(nb):
         for kb in range(nb):
@@ -71,6 +75,6 @@ def test_block_states_match_the_dense_rule() -> None:
 
 
 def test_flex_block_mask_uses_the_layout() -> None:
-    seg, comp = _row(random.Random(5))
-    ref = _reference(seg, comp, 128)
-    assert torch.equal(flex_block_mask(seg, comp).to_dense(), ref.to_dense())
+    scope_end = _row(random.Random(5))
+    ref = _reference(scope_end, 128)
+    assert torch.equal(flex_block_mask(scope_end).to_dense(), ref.to_dense())

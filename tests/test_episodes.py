@@ -61,7 +61,7 @@ def test_rollout_found_in_the_module_or_named(user_task):
 
 
 def test_failing_episodes_score_zero_and_are_counted(user_task):
-    cfg = TaskConfig(name=f"{user_task}:problems", episode_timeout_s=1)
+    cfg = TaskConfig(name=f"{user_task}:problems", episode_timeout_s=8)
     task = build_task(cfg)
     problems = [Problem("p", [{"role": "user", "content": "x"}], 2)]
     runner = runner_for(cfg, task, ["ok", "raise", "hang", "nan"])

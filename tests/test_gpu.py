@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sleuth.records import SamplingParams
+from sleuth.records import Completion, Group, Problem, SamplingParams
 from sleuth.rollout.base import GenerationRequest
 from sleuth.rollout.hf_engine import HFEngine
 from sleuth.testing.tiny_model import build_model, build_tokenizer
 from sleuth.train.attention import PACKED, packed_mask_mod, register_packed_attention
 from sleuth.train.block_mask import layout_block_mask
+from sleuth.train.packing import pack_groups
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -38,18 +39,17 @@ def test_cuda_graph_decoding_equals_the_growing_cache():
 def test_layout_block_mask_on_cuda_equals_create_block_mask():
     from torch.nn.attention.flex_attention import create_block_mask
 
-    seg, comp, c = [], [], 1
+    groups = []
     for g in range(3):  # Clue-shaped: 1,000-token prompts, 8 completions of 200
-        seg += [g] * 1000
-        comp += [0] * 1000
-        for _ in range(8):
-            seg += [g] * 200
-            comp += [c] * 200
-            c += 1
-    seg_t, comp_t = torch.tensor(seg + [-1] * 64, device="cuda"), torch.tensor(comp + [0] * 64, device="cuda")
-    mm = packed_mask_mod(seg_t, comp_t)
-    t = seg_t.numel()
+        prompt = [g + 1] * 1000
+        comps = [Completion(prompt, [10 + 8 * g + i] * 200, [0.0] * 200, "length", "") for i in range(8)]
+        groups.append(Group(Problem(f"g{g}", [], None), prompt, comps, [0.0] * 8))
+    (row,) = pack_groups(groups, 8192, pad_to_multiple=128).rows
+    assert row.length > row.n_real_tokens  # padding at the end
+    scope_end = row.scope_end.to("cuda")
+    mm = packed_mask_mod(scope_end)
+    t = scope_end.numel()
     ref = create_block_mask(mm, None, None, t, t, device="cuda")
-    ours = layout_block_mask(seg_t, comp_t, mm)
+    ours = layout_block_mask(scope_end, mm)
     assert torch.equal(ours.to_dense(), ref.to_dense())
     assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)

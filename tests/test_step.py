@@ -15,7 +15,7 @@ from sleuth.records import Completion, Group, Problem
 from sleuth.testing.tiny_model import build_model, build_tokenizer
 from sleuth.train.advantages import compute_advantages
 from sleuth.train.attention import PACKED, register_packed_attention
-from sleuth.train.packing import pack_groups
+from sleuth.train.packing import loss_mask, pack_groups
 from sleuth.train.policy import Policy
 from sleuth.train.step import METRIC_KEYS, SelfCheckError, Trainer, _PassCache
 
@@ -51,25 +51,63 @@ def random_groups(seed: int, n_groups: int = 3, n_comp: int = 3) -> list[Group]:
     return groups
 
 
+def random_tree_groups(seed: int, n_groups: int = 2) -> list[Group]:
+    """Multi-turn episodes: three share a first reply and tool result (>= MIN_SHARED tokens) and then
+    diverge, one repeats another exactly, two diverge at once (one with a further turn), and one
+    call has its own prompt (the first prompt plus the shared reply plus new tokens)."""
+    rng = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(VOCAB) for _ in range(n)]
+
+    groups = []
+    for g in range(n_groups):
+        prompt = toks(rng.randint(3, 9))
+        shared = [(toks(rng.randint(16, 20)), 1), (toks(rng.randint(16, 24)), 0)]  # reply, tool result
+        trajs = [[*shared, (toks(rng.randint(1, 6)), 1)] for _ in range(3)]
+        trajs.append(list(trajs[1]))
+        trajs += [[(toks(rng.randint(2, 6)), 1), (toks(rng.randint(3, 8)), 0), (toks(rng.randint(1, 5)), 1)]
+                  for _ in range(2)]
+        trajs[-1] += [(toks(4), 0), (toks(3), 1)]
+        prompts = [prompt] * len(trajs)
+        trajs.append([(toks(rng.randint(1, 5)), 1)])
+        prompts.append(prompt + shared[0][0] + toks(3))
+        comps = []
+        for own, spans in zip(prompts, trajs, strict=True):
+            ids = [t for span, _ in spans for t in span]
+            mask = [m for span, m in spans for _ in span]
+            comps.append(Completion(own, ids, [-rng.uniform(3.0, 8.0) if m else 0.0 for m in mask], "stop", "",
+                                    loss_mask=mask))
+        groups.append(Group(Problem(f"t{g}", [], None), prompt, comps, [rng.uniform(-1.5, 1.5) for _ in comps]))
+    return groups
+
+
+def sampled(comp: Completion) -> torch.Tensor:
+    return torch.tensor(loss_mask(comp), dtype=torch.bool)
+
+
 def naive_loss(policy: Policy, groups: list[Group], algo: AlgorithmConfig, max_tokens: int,
                old: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
-    """Each completion as its own [prompt | completion] sequence, full-vocabulary logits."""
+    """Each completion as its own [prompt | completion] sequence, full-vocabulary logits; the loss
+    over its sampled (loss-mask one) tokens only."""
     lm = policy.causal_lm
     n_seqs = sum(len(g.completions) for g in groups)
-    n_tokens = sum(len(c.completion_ids) for g in groups for c in g.completions)
+    n_tokens = sum(sum(loss_mask(c)) for g in groups for c in g.completions)
     total = torch.zeros(())
     for gi, group in enumerate(groups):
         for ci, comp in enumerate(group.completions):
-            p, n = len(group.prompt_ids), len(comp.completion_ids)
-            ids = torch.tensor([group.prompt_ids + comp.completion_ids])
+            prompt = comp.prompt_ids or group.prompt_ids
+            p, keep = len(prompt), sampled(comp)
+            ids = torch.tensor([prompt + comp.completion_ids])
             target = torch.tensor(comp.completion_ids)
 
-            def logprobs(model: torch.nn.Module, ids: torch.Tensor = ids, p: int = p, n: int = n,
+            def logprobs(model: torch.nn.Module, ids: torch.Tensor = ids, p: int = p, keep: torch.Tensor = keep,
                          target: torch.Tensor = target) -> torch.Tensor:
-                logits = model(input_ids=ids).logits[0, p - 1 : p - 1 + n].float()
-                return torch.log_softmax(logits, -1).gather(-1, target[:, None])[:, 0]
+                logits = model(input_ids=ids).logits[0, p - 1 : p - 1 + len(target)].float()
+                return torch.log_softmax(logits, -1).gather(-1, target[:, None])[:, 0][keep]
 
             logp = logprobs(lm)
+            n = logp.numel()
             old_lp = old.get((gi, ci), logp.detach())
             adv = group.advantages[ci]
             if algo.loss == "ppo_clip":
@@ -78,7 +116,7 @@ def naive_loss(policy: Policy, groups: list[Group], algo: AlgorithmConfig, max_t
                 s = torch.exp((logp - old_lp).mean())
                 ratio = s.detach() * torch.exp(logp - logp.detach())
             obj = torch.minimum(ratio * adv, ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high) * adv)
-            engine = torch.tensor(comp.logprobs)
+            engine = torch.tensor(comp.logprobs)[keep]
             tis = torch.exp(old_lp - engine).clamp(max=algo.tis_cap) if algo.tis_cap else torch.ones(n)
             tok = -obj * tis
             if algo.kl_beta > 0:
@@ -98,18 +136,11 @@ def grads(policy: Policy) -> list[torch.Tensor]:
     return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in policy.trainable_parameters()]
 
 
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-@pytest.mark.parametrize("loss", ["ppo_clip", "gspo"])
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "constant"])
-def test_packed_loss_and_gradients_equal_naive(lora: bool, loss: str, aggregation: str) -> None:
-    seed = 10 * ["token_mean", "seq_mean_token_mean", "constant"].index(aggregation) + 2 * (loss == "gspo") + lora
-    policy = make_policy(lora, need_reference=True, seed=seed)
-    algo = AlgorithmConfig(loss=loss, aggregation=aggregation, kl_beta=0.1, tis_cap=2.0,
-                           clip_low=0.05, clip_high=0.08)
-    # A small row budget forces several rows, split groups and several groups per row.
-    trainer = Trainer(policy, algo, TrainerConfig(row_tokens=24), max_tokens=8)
-    groups = random_groups(seed, n_groups=3, n_comp=4)
-    batch = pack_groups(groups, 24)
+def check_packed_equals_naive(policy: Policy, algo: AlgorithmConfig, groups: list[Group], row_tokens: int,
+                              seed: int) -> None:
+    """Packed loss and gradients (off-policy "old" logprobs, so the clip bites) equal the naive ones."""
+    trainer = Trainer(policy, algo, TrainerConfig(row_tokens=row_tokens), max_tokens=8)
+    batch = pack_groups(groups, row_tokens)
     assert len(batch.rows) > 1
     # "Old" logprobs away from the current ones (as in a later epoch), so the clip bites somewhere.
     gen = torch.Generator().manual_seed(seed)
@@ -117,7 +148,7 @@ def test_packed_loss_and_gradients_equal_naive(lora: bool, loss: str, aggregatio
     with torch.no_grad():
         for gi, group in enumerate(groups):
             for ci, comp in enumerate(group.completions):
-                naive = policy.naive_logprobs(group.prompt_ids, comp.completion_ids)
+                naive = policy.naive_logprobs(comp.prompt_ids or group.prompt_ids, comp.completion_ids)[sampled(comp)]
                 old[(gi, ci)] = naive + 0.2 * torch.randn(naive.shape, generator=gen)
     cache = _PassCache()
     for row in batch.rows:
@@ -135,6 +166,35 @@ def test_packed_loss_and_gradients_equal_naive(lora: bool, loss: str, aggregatio
     for a, b in zip(packed_grads, naive_grads):
         assert float((a - b).norm()) <= 1e-5 * float(b.norm()) + 1e-9
     assert sum(float(g.norm()) for g in naive_grads) > 0
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("loss", ["ppo_clip", "gspo"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "constant"])
+def test_packed_loss_and_gradients_equal_naive(lora: bool, loss: str, aggregation: str) -> None:
+    seed = 10 * ["token_mean", "seq_mean_token_mean", "constant"].index(aggregation) + 2 * (loss == "gspo") + lora
+    policy = make_policy(lora, need_reference=True, seed=seed)
+    algo = AlgorithmConfig(loss=loss, aggregation=aggregation, kl_beta=0.1, tis_cap=2.0,
+                           clip_low=0.05, clip_high=0.08)
+    # A small row budget forces several rows, split groups and several groups per row.
+    check_packed_equals_naive(policy, algo, random_groups(seed, n_groups=3, n_comp=4), 24, seed)
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize(("loss", "aggregation"), [("ppo_clip", "token_mean"), ("gspo", "seq_mean_token_mean"),
+                                                   ("ppo_clip", "constant")])
+def test_tree_packed_loss_and_gradients_equal_naive(lora: bool, loss: str, aggregation: str) -> None:
+    """Multi-turn masks, branching after shared turns, a duplicate episode and a call with its own
+    prompt; small rows split the trees (first group) and fit several in one (second)."""
+    seed = 100 + 10 * ["token_mean", "seq_mean_token_mean", "constant"].index(aggregation) + lora
+    policy = make_policy(lora, need_reference=True, seed=seed)
+    algo = AlgorithmConfig(loss=loss, aggregation=aggregation, kl_beta=0.1, tis_cap=2.0,
+                           clip_low=0.05, clip_high=0.08)
+    groups = random_tree_groups(seed)
+    batch = pack_groups(groups, 96)
+    assert max(pl.depth for r in batch.rows for pl in r.placements) >= 3
+    assert batch.n_tokens < sum(len(pl.positions) for r in batch.rows for pl in r.placements)
+    check_packed_equals_naive(policy, algo, groups, 96, seed)
 
 
 @pytest.mark.parametrize("attn", [PACKED, "sdpa"])
@@ -220,6 +280,30 @@ def test_self_check_catches_a_model_that_ignores_the_mask() -> None:
     assert set(METRIC_KEYS) <= set(out)
     assert out["self_check_max_diff"] < 1e-4
     assert out["skipped"] == 0.0 and out["tokens"] > 0 and out["mfu"] > 0 and out["peak_mem_gb"] > 0
+
+
+def test_self_check_covers_the_deepest_tree_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    groups = random_tree_groups(5)
+    policy = make_policy(True, seed=2, attn="eager")
+    with pytest.raises(SelfCheckError, match="self-check failed"):
+        Trainer(policy, AlgorithmConfig(), TrainerConfig(row_tokens=96), max_tokens=8).step(groups)
+    policy = make_policy(True, seed=2)
+    checked: list[list[int]] = []
+    naive = policy.naive_logprobs
+
+    def spy(prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+        checked.append(prompt_ids + completion_ids)
+        return naive(prompt_ids, completion_ids)
+
+    monkeypatch.setattr(policy, "naive_logprobs", spy)
+    out = Trainer(policy, AlgorithmConfig(), TrainerConfig(row_tokens=96), max_tokens=8).step(groups)
+    assert out["self_check_max_diff"] < 1e-4 and out["skipped"] == 0.0
+    placements = [pl for row in pack_groups(groups, 96).rows for pl in row.placements]
+    depth = max(pl.depth for pl in placements)
+    assert depth >= 3 and 2 <= len(checked) <= 3  # first, last, deepest (which may be one of those)
+    deepest = [(groups[pl.group].completions[pl.completion].prompt_ids
+                + groups[pl.group].completions[pl.completion].completion_ids) for pl in placements if pl.depth == depth]
+    assert any(seq in deepest for seq in checked)
 
 
 def sample_groups(policy: Policy, prompts: list[list[int]], n: int, length: int,

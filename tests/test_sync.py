@@ -10,7 +10,7 @@ from sleuth.config import LoraConfig, ModelConfig
 from sleuth.records import LoraAdapter
 from sleuth.rollout.base import RolloutEngine
 from sleuth.rollout.hf_engine import HFEngine
-from sleuth.sync import InProcessTransport, WeightSync, choose_mode, lora_adapter
+from sleuth.sync import InProcessTransport, WeightSync, choose_mode, lora_adapter, pack_buckets, unpack
 from sleuth.testing.tiny_model import build_model, build_tokenizer
 from sleuth.train.attention import PACKED, register_packed_attention
 from sleuth.train.policy import Policy
@@ -106,3 +106,35 @@ def test_a_transport_plugs_in() -> None:
         assert_engine_matches(policy, engine)
     finally:
         engine.close()
+
+
+def test_a_snapshot_pushes_the_weights_of_when_it_was_taken() -> None:
+    """Overlapped rollouts: the trainer moves on before the engine is free; the engine must get
+    the weights of the snapshot, not the ones the trainer holds by the time of the push."""
+    for lora, mode in ((True, "adapter"), (False, "full"), (True, "full")):
+        policy, engine = make_pair(lora=lora)
+        try:
+            sync = WeightSync(policy, engine, mode=mode)
+            expected = [(n, t.clone()) for n, t in policy.sync_state()]
+            push = sync.snapshot()
+            with torch.no_grad():  # the next update, before the push
+                for p in policy.trainable_parameters():
+                    p.add_(1.0)
+            stats = push()
+            assert stats.mode == mode and stats.bytes > 0
+            params = dict(engine.model.named_parameters())
+            for name, t in expected:
+                torch.testing.assert_close(params[name], t, rtol=1e-5, atol=1e-6)
+        finally:
+            engine.close()
+
+
+def test_ray_buckets_round_trip_any_dtype():
+    tensors = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.arange(4)),
+               ("d", torch.randn(2, 2).t())]  # non-contiguous
+    buckets = pack_buckets(tensors, bucket_mb=100 / 1024**2)  # 100 bytes: several buckets
+    assert len(buckets) > 1
+    back = [nt for b in buckets for nt in unpack(b)]
+    assert [n for n, _ in back] == ["a", "b", "c", "d"]
+    for (_, want), (_, got) in zip(tensors, back):
+        assert got.dtype == want.dtype and torch.equal(got, want)

@@ -3,7 +3,8 @@ exactly where it stopped.
 
 RUN_DIR/checkpoints/iter-000012/ holds everything the next iteration depends on:
 
-    policy/        the trainable weights (LoRA adapter or full weights; safetensors), via Policy.save
+    policy/        the trainable weights (LoRA adapter or full weights; safetensors), via Policy.save;
+                   from FSDP2 ranks (TrainerGroup.save) a sharded checkpoint with the optimizer state too
     trainer.pt     optimizer and learning-rate schedule (Trainer.state_dict): tensors and plain values
     rng.json       python, numpy and torch RNG states
     state.json     iteration, data position, validation reward, loop counters
@@ -292,8 +293,11 @@ class CheckpointManager:
             raise UserError(f"cannot load the weights in {checkpoint.path / 'policy'} "
                             f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
         if trainer is not None and loaded.trainer_state is not None:
+            trainer_state = loaded.trainer_state
+            if "optimizer" not in trainer_state:  # FSDP2 ranks: the optimizer is sharded beside the weights
+                trainer_state = {**trainer_state, "optimizer_dir": str(checkpoint.path / "policy")}
             try:
-                trainer.load_state_dict(loaded.trainer_state)
+                trainer.load_state_dict(trainer_state)
             except (KeyError, ValueError, TypeError, RuntimeError) as e:
                 raise UserError(f"{checkpoint.path / TRAINER_FILE} does not fit this trainer "
                                 f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None

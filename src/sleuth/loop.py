@@ -27,7 +27,7 @@ from sleuth.budget import FINAL_EVAL_MARGIN, TimeBudget
 from sleuth.checkpoint import CheckpointManager
 from sleuth.config import Config, dump_config
 from sleuth.curriculum import Curriculum, parse_schedule
-from sleuth.errors import UserError
+from sleuth.errors import ConfigError, UserError
 from sleuth.evaluate import EvalResult, eval_sampling, evaluate, evaluate_episodes
 from sleuth.hardware import resolve_dtype
 from sleuth.metrics import MetricsWriter, prefixed, timed
@@ -73,6 +73,8 @@ class Run:
     episodes: Any = None
     """Episode tasks: the EpisodeRunner (gateway + the task's rollout function); None otherwise."""
     tasks: dict[int, Task] = field(default_factory=dict)
+    cluster: Any = None
+    """The Ray cluster the workers run on (cluster/runtime.py), None when the run is one process."""
 
     def task_for_level(self, level: int) -> Task:
         """The training task at a curriculum level (built once; the held-out set stays `task`'s)."""
@@ -146,6 +148,15 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     from sleuth.tasks.registry import build_task
 
     run_dir.mkdir(parents=True, exist_ok=True)
+    cluster, placement = None, []
+    if cfg.cluster.uses_ray:  # first: a cluster that cannot hold the workers fails before any loading
+        from sleuth.cluster.runtime import start_cluster
+
+        if cfg.cluster.trainer_workers > 1:  # FSDP2 ranks (cluster/trainer_group.py) are not wired in yet
+            raise ConfigError("cluster.trainer_workers > 1: the FSDP2 trainer group is not part of the loop "
+                              "yet; use cluster.trainer_workers=1 (rollout workers scale already)")
+
+        cluster, placement = start_cluster(cfg.cluster)
     seed_everything(cfg.loop.seed, 0, cfg.loop.deterministic)
     task = build_task(cfg.task)
     eval_problems = list(task.eval_problems())[: cfg.task.eval_size] if cfg.loop.evaluate else []
@@ -171,8 +182,17 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     writer = MetricsWriter(run_dir, cfg.logging, config=cfg.model_dump(mode="json"))
     if resume:  # forget what was logged after the checkpoint (everything, when there is none)
         writer.truncate_after(start if latest is not None else -1)
-    engine = make_engine(cfg.rollout, str(resolve_model_path(cfg.model.path)), dtype, cfg.loop.seed)
-    sync = WeightSync(policy, engine)
+    model_path = str(resolve_model_path(cfg.model.path))
+    if cluster is not None:  # rollout workers on Ray; weights reach them through its object store
+        from sleuth.cluster.rollout_pool import RolloutPool
+        from sleuth.sync import RayTransport
+
+        engine: RolloutEngine = RolloutPool.from_config(cfg, placement, model_path, dtype)
+        print("\n".join(engine.placement_lines()), file=sys.stderr)
+        sync = WeightSync(policy, engine, RayTransport())
+    else:
+        engine = make_engine(cfg.rollout, model_path, dtype, cfg.loop.seed)
+        sync = WeightSync(policy, engine)
     # The engine starts from the base checkpoint's weights: give it the trained ones, or (quantized
     # base) the dequantized ones the trainer really computes with, so rollouts stay on-policy.
     if start > 0 or cfg.model.quantization != "none":
@@ -182,7 +202,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     episodes = None if rollout_fn is None else EpisodeRunner(rollout_fn, engine, policy.tokenizer, cfg.task,
                                                              train_sampling(cfg))
     return Run(cfg, run_dir, task, policy, trainer, engine, sync, writer, checkpoints, verifier, eval_problems,
-               dtype, start, state, episodes)
+               dtype, start, state, episodes, cluster=cluster)
 
 
 def train_sampling(cfg: Config) -> SamplingParams:
@@ -247,6 +267,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO | None =
                 #    the engine serves adapters, else full weights; sleuth.sync decides), after any
                 #    generation under way; then the curriculum moves on if this batch earned it.
                 metrics.update(queue.sync(run.sync, version=it, changed=bool(batch.groups)))
+                if run.cluster is not None:  # restarted rollout workers so far (each re-synced)
+                    metrics["rollout/worker_restarts"] = run.engine.stats().get("worker_restarts", 0.0)
                 if curriculum.update(batch.reward_mean):
                     print(f"curriculum: reward {batch.reward_mean:.3f} -> difficulty {curriculum.level}",
                           file=out, flush=True)
@@ -289,6 +311,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO | None =
         if run.episodes is not None:
             run.episodes.close()
         run.engine.close()
+        if run.cluster is not None:
+            run.cluster.shutdown()
     print(_budget_text(done, L.iterations, budget), file=out, flush=True)
     before, after = run.state.get("val_before"), run.state.get("val_last")
     if finished and before and after:

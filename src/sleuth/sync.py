@@ -11,17 +11,21 @@ Two paths:
 - full: the policy's full weights with any LoRA merged in (Policy.sync_state, HF names).
 
 How tensors reach the engine is a Transport. InProcessTransport calls the engine's methods in this
-process; a transport to engines elsewhere (Ray actors, another GPU) implements the same two methods
-and is passed to WeightSync; nothing else changes.
+process; RayTransport puts the weights into Ray's object store once, as flat byte buckets, for every
+rollout worker of a RolloutPool (cluster/rollout_pool.py) to read; the pool bounds each sync by
+cluster.sync_timeout_s. (On GPUs a NCCL broadcast from trainer rank 0 to the workers would skip the
+object store; it is not built: nothing here could test it.)
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
+import numpy as np
 import torch
 
 from sleuth.records import LoraAdapter
@@ -29,6 +33,12 @@ from sleuth.rollout.base import RolloutEngine
 from sleuth.train.policy import Policy
 
 SyncMode = Literal["adapter", "full"]
+
+ALIGN = 64
+"""Byte alignment of each tensor in a bucket (a view as int64/float64 needs at least 8)."""
+
+DEFAULT_BUCKET_MB = 256
+"""Bucket size: large enough that per-object overhead vanishes, small enough to pipeline."""
 
 
 class Transport(Protocol):
@@ -56,6 +66,29 @@ class InProcessTransport:
 
     def send_adapter(self, engine: RolloutEngine, adapter: LoraAdapter) -> int:
         engine.sync_lora(adapter)
+        return adapter.nbytes
+
+
+class RayTransport:
+    """The engine is a RolloutPool of Ray actors: full weights go into the object store once, packed
+    in buckets, and every worker reads them from there; an adapter goes in as one object."""
+
+    def __init__(self, bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+        self.bucket_mb = bucket_mb
+
+    def send_full(self, engine: Any, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        import ray
+
+        buckets = pack_buckets(tensors, self.bucket_mb)
+        engine.load_buckets([ray.put(b) for b in buckets])
+        return sum(b.nbytes for b in buckets)
+
+    def send_adapter(self, engine: Any, adapter: LoraAdapter) -> int:
+        import ray
+
+        on_cpu = LoraAdapter({k: v.detach().to("cpu").contiguous() for k, v in adapter.tensors.items()},
+                             adapter.rank, adapter.alpha, adapter.target_modules)
+        engine.load_adapter(ray.put(on_cpu))
         return adapter.nbytes
 
 
@@ -142,3 +175,66 @@ class WeightSync:
     def describe(self) -> dict[str, Any]:
         return {"mode": self.mode, "engine": type(self.engine).__name__,
                 "transport": type(self.transport).__name__}
+
+
+# ---------------------------------------------------------------- buckets (the Ray transport's format)
+
+@dataclass
+class Bucket:
+    """Named tensors as one numpy uint8 array plus a table: Ray keeps numpy arrays out of band, so a
+    worker on the same node reads the bytes from shared memory without a copy (a torch tensor would
+    be pickled, i.e. copied), and any dtype, bfloat16 included, travels as raw bytes."""
+
+    data: np.ndarray
+    """All tensors' bytes back to back (uint8), each starting at a multiple of ALIGN."""
+    entries: list[tuple[str, str, tuple[int, ...], int, int]]
+    """(name, torch dtype name, shape, byte offset, byte length) per tensor."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+def pack_buckets(named_tensors: Iterable[tuple[str, Any]], bucket_mb: float = DEFAULT_BUCKET_MB) -> list[Bucket]:
+    """Group tensors (in order) into buckets of about bucket_mb; a larger tensor gets its own."""
+    limit = int(bucket_mb * 1024**2)
+    buckets: list[Bucket] = []
+    parts: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named_tensors:
+        t = t.detach().to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        if parts and size + nbytes > limit:
+            buckets.append(_bucket(parts))
+            parts, size = [], 0
+        parts.append((name, t))
+        size += nbytes
+    if parts:
+        buckets.append(_bucket(parts))
+    return buckets
+
+
+def _bucket(parts: list[tuple[str, torch.Tensor]]) -> Bucket:
+    entries, offset = [], 0
+    for name, t in parts:
+        n = t.numel() * t.element_size()
+        entries.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, n))
+        offset += -(-n // ALIGN) * ALIGN  # each tensor starts aligned, so it can be viewed in place
+    data = np.empty(offset, dtype=np.uint8)
+    flat = torch.from_numpy(data)
+    for (_, t), (_, _, _, start, n) in zip(parts, entries):
+        flat[start:start + n].copy_(t.reshape(-1).view(torch.uint8))
+    return Bucket(data, entries)
+
+
+def unpack(bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) views into the bucket's bytes (read-only when they come from the object
+    store: the reader copies them into its own weights)."""
+    flat = None
+    if bucket.nbytes:
+        with warnings.catch_warnings():  # "buffer is not writable": we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(memoryview(bucket.data), dtype=torch.uint8)
+    for name, dtype, shape, offset, n in bucket.entries:
+        raw = flat[offset:offset + n] if flat is not None else torch.empty(0, dtype=torch.uint8)
+        yield name, raw.view(getattr(torch, dtype)).reshape(shape)

@@ -101,6 +101,10 @@ def dry_run(cfg: Any) -> list[str]:
     if engine == "auto":
         engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
     lines.append(f"rollout engine: {engine}")
+    from sleuth.cluster.plan import describe  # placement and memory plan (joins cluster.address if set)
+    from sleuth.models import resolve_model_path
+
+    lines += describe(cfg, engine, resolve_model_path(cfg.model.path))
     L = cfg.loop
     lines.append(f"loop: {L.iterations} iterations x {L.tasks_per_iteration} tasks x "
                  f"{cfg.rollout.samples_per_task} samples, up to {cfg.rollout.max_tokens} tokens each")

@@ -302,7 +302,13 @@ class HFEngine(RolloutEngine):
         return "cuda_graphs" if device.type == "cuda" and self.shared_prefix else "dynamic"
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next token of each row (per-group temperature/top-p/generator) and its raw logprob."""
+        """Next token of each row (per-group temperature/top-p/generator) and its raw logprob.
+
+        Each step draws one uniform per sample of the group, whether or not that sample's row is
+        still in the batch: the group's random stream, hence its samples, does not depend on which
+        other groups share the batch or when finished rows are dropped (so a group gives the same
+        samples on whichever rollout worker, in whichever batch, it runs).
+        """
         raw = torch.log_softmax(logits, dim=-1)
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         start = 0
@@ -311,8 +317,10 @@ class HFEngine(RolloutEngine):
             end = start
             while end < len(rows) and rows[end].group is g:
                 end += 1
+            uniform = torch.rand(g.request.n, generator=g.generator)
+            picks = uniform[[r.index for r in rows[start:end]]]
             tokens[start:end] = _sample_rows(logits[start:end], g.request.sampling.temperature,
-                                             g.request.sampling.top_p, g.generator)
+                                             g.request.sampling.top_p, picks)
             start = end
         return tokens, raw.gather(-1, tokens[:, None])[:, 0]
 
@@ -333,7 +341,9 @@ class HFEngine(RolloutEngine):
         finish_sample(r.group, r.index, r.tokens, r.logprobs, reason, self.tokenizer, self._counts)
 
 
-def _sample_rows(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
+def _sample_rows(logits: torch.Tensor, temperature: float, top_p: float, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: row i takes the first token whose cumulative probability exceeds
+    uniform[i] (times the row's total mass, which top-p and float rounding leave below 1)."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, dim=-1)
@@ -343,7 +353,10 @@ def _sample_rows(logits: torch.Tensor, temperature: float, top_p: float, gen: to
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return torch.multinomial(probs.cpu(), 1, generator=gen)[:, 0].to(logits.device)
+    cdf = probs.cumsum(-1)
+    target = (uniform.to(cdf) * cdf[:, -1])[:, None]
+    # right=True skips zero-probability tokens (their cdf equals the one before them).
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
 
 
 def _hits_stop(tokenizer: Any, tokens: list[int], stops: tuple[str, ...]) -> bool:

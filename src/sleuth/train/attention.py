@@ -1,18 +1,19 @@
-"""Attention masks for packed rows, from per-token segment and completion ids.
+"""Attention for packed rows of prefix trees (packing.py).
 
-Rule (see packing.py): query i may attend key j when j <= i, both belong to the same segment,
-and j is a prompt token or a token of i's own completion. Padding is its own segment (-1) and so
-never mixes with real tokens.
+Rule: query i may attend key j when j <= i < scope_end[j], i.e. j lies on i's path from its root.
+Padding keys have scope_end = their own position + 1, so padding never mixes with real tokens.
 
 Three ways to apply the rule, chosen by the model's attn_implementation:
 
 - "sleuth_packed" (CPU default): our attention function, registered with transformers, that runs
-  causal scaled_dot_product_attention per prompt and, per prompt's completions, a dense call to
-  the prompt merged with their causal own blocks (completion_attention.py), so it does only the
-  needed work and never builds a [T, T] mask. CPU SDPA with an arbitrary mask computes every block
-  of the T x T score matrix, which for packed rows costs more than the sharing saves. Without a
-  row layout it behaves exactly like "sdpa" (generation, plain batches); with attention dropout
-  or off the CPU it falls back to the dense mask.
+  causal scaled_dot_product_attention over each root span and, per node with children, one
+  CompletionAttention call (completion_attention.py): the children's spans attend densely to the
+  node's whole path and causally to themselves. For single-turn groups that is one call for the
+  prompt and one for all its completions. It does only the needed work and never builds a [T, T]
+  mask: CPU SDPA with an arbitrary mask computes every block of the T x T score matrix, which for
+  packed rows costs more than the sharing saves. Without a row layout it behaves exactly like
+  "sdpa" (generation, plain batches); with attention dropout or off the CPU it falls back to the
+  dense mask.
 - "sdpa": a dense boolean mask [1, 1, T, T] (True = may attend), which transformers passes
   through unchanged as a prepared 4D mask. Simple and exact, O(T^2) memory and compute.
 - "flex_attention" (CUDA): a BlockMask, which skips fully masked blocks (no CPU backward exists).
@@ -63,37 +64,79 @@ def special_attention(config: Any) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Branch:
+    """A node's children: their spans attend densely to the node's path and causally to themselves."""
+
+    prefix: tuple[int, ...]
+    """Pieces holding the path from the root to the node, in order (their keys, concatenated)."""
+    queries: tuple[int, ...]
+    """Pieces holding the children's spans: the block of leaf children first, then each other child."""
+    sizes: tuple[int, ...]
+    """Each child's span length, in the order of the concatenated query pieces."""
+
+
+@dataclass(frozen=True)
 class RowLayout:
-    """Where prompts and completions sit in a packed row (for the sleuth_packed attention)."""
+    """A packed row cut into pieces that tile its real tokens (for the sleuth_packed attention)."""
 
     length: int
     """Row length T, padding included."""
-    segments: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
-    """(prompt_start, prompt_len, ((completion_start, completion_len), ...)) per prompt instance;
-    each completion directly follows the previous one (or the prompt)."""
-    segment_ids: torch.Tensor = field(compare=False)
-    completion_ids: torch.Tensor = field(compare=False)
+    pieces: tuple[int, ...]
+    """Sizes of consecutive row ranges: each root and inner node's span is a piece, and so is each
+    node's block of leaf children (laid out back to back)."""
+    roots: tuple[int, ...]
+    """The piece of each tree's root span (causal attention within it)."""
+    branches: tuple[Branch, ...]
+    scope_end: torch.Tensor = field(compare=False)
     position_ids: torch.Tensor = field(compare=False)
-    """The row's per-token ids and positions (packing.py), for the dense-mask fallback."""
+    """The row's per-token scope ends and positions (packing.py), for the dense-mask fallback."""
 
 
 def row_layout(row: PackedRow) -> RowLayout:
-    segments: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for pl in row.placements:
-        segments.setdefault((pl.prompt_start, pl.prompt_len), []).append((pl.start, pl.length))
-    return RowLayout(row.length, tuple((ps, n, tuple(c)) for (ps, n), c in segments.items()),
-                     row.segment_ids, row.completion_ids, row.position_ids)
+    nodes = row.nodes
+    children: list[list[int]] = [[] for _ in nodes]
+    for i, node in enumerate(nodes):
+        if node.parent >= 0:
+            children[node.parent].append(i)
+    leaf = [node.parent >= 0 and not children[i] for i, node in enumerate(nodes)]
+    pieces: list[int] = []
+    piece_of: list[int] = []
+    end = 0
+    for i, node in enumerate(nodes):  # row order
+        if node.start != end:
+            raise ValueError(f"row layout is not contiguous at {node.start} (expected {end})")
+        end += node.length
+        if i and leaf[i] and leaf[i - 1] and nodes[i - 1].parent == node.parent:
+            pieces[-1] += node.length  # joins the block of its leaf siblings
+        else:
+            pieces.append(node.length)
+        piece_of.append(len(pieces) - 1)
+    branches = []
+    for i, kids in enumerate(children):
+        if not kids:
+            continue
+        path = [i]
+        while nodes[path[-1]].parent >= 0:
+            path.append(nodes[path[-1]].parent)
+        leaves = [k for k in kids if leaf[k]]
+        inner = [k for k in kids if not leaf[k]]
+        queries = ([piece_of[leaves[0]]] if leaves else []) + [piece_of[k] for k in inner]
+        if len({piece_of[k] for k in leaves}) > 1:
+            raise ValueError(f"the leaf children of the node at {nodes[i].start} are not back to back")
+        branches.append(Branch(tuple(piece_of[a] for a in reversed(path)), tuple(queries),
+                               tuple(nodes[k].length for k in leaves + inner)))
+    roots = tuple(piece_of[i] for i, node in enumerate(nodes) if node.parent < 0)
+    return RowLayout(row.length, tuple(pieces), roots, tuple(branches), row.scope_end, row.position_ids)
+
+
+def _join(parts: tuple[torch.Tensor, ...], which: tuple[int, ...]) -> torch.Tensor:
+    """The given pieces along the sequence axis (a view when it is one piece)."""
+    return parts[which[0]] if len(which) == 1 else torch.cat([parts[i] for i in which], dim=2)
 
 
 def _packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: RowLayout,
                  scaling: float | None) -> torch.Tensor:
-    """[1, H, T, D] attention output of a packed row, prompt instance by prompt instance."""
-    end = 0
-    for ps, plen, comps in layout.segments:
-        for s, n in ((ps, plen), *comps):
-            if s != end:
-                raise ValueError(f"row layout is not contiguous at {s} (expected {end})")
-            end = s + n
+    """[1, H, T, D] attention output of a packed row: root spans, then each node's children."""
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     # Head-major contiguous copies (a few MB; the model hands [1, T, H, D] storage viewed as
     # [1, H, T, D], which the CPU flash kernels read ~7% slower), with key/value heads repeated
@@ -101,20 +144,22 @@ def _packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, la
     query = query.contiguous()
     rep = query.shape[1] // key.shape[1]
     key, value = (t.repeat_interleave(rep, dim=1) if rep > 1 else t.contiguous() for t in (key, value))
-    # One split per tensor, [prompt, its completions] per instance: a split's backward is a single
-    # concatenation, where slicing each part would allocate a full-size zero gradient per slice.
-    sizes = [n for _, plen, comps in layout.segments for n in (plen, sum(c for _, c in comps))]
-    pad = layout.length - end
-    qs, ks, vs = (t.split([*sizes, pad], dim=2) for t in (query, key, value))
-    outs: list[torch.Tensor] = []
-    for i, (_, _, comps) in enumerate(layout.segments):
-        p, c = 2 * i, 2 * i + 1
-        outs.append(F.scaled_dot_product_attention(qs[p], ks[p], vs[p], is_causal=True, scale=scale))
-        if comps:
-            outs.append(CompletionAttention.apply(qs[c], ks[p], vs[p], ks[c], vs[c], [n for _, n in comps], scale))
+    # One split per tensor into the layout's pieces: a split's backward is a single concatenation,
+    # where slicing each part would allocate a full-size zero gradient per slice.
+    pad = layout.length - sum(layout.pieces)
+    qs, ks, vs = (t.split([*layout.pieces, pad], dim=2) for t in (query, key, value))
+    outs: list[torch.Tensor | None] = [None] * len(layout.pieces)
+    for r in layout.roots:
+        outs[r] = F.scaled_dot_product_attention(qs[r], ks[r], vs[r], is_causal=True, scale=scale)
+    for b in layout.branches:
+        out = CompletionAttention.apply(_join(qs, b.queries), _join(ks, b.prefix), _join(vs, b.prefix),
+                                        _join(ks, b.queries), _join(vs, b.queries), list(b.sizes), scale)
+        parts = (out,) if len(b.queries) == 1 else out.split([layout.pieces[i] for i in b.queries], dim=2)
+        for i, part in zip(b.queries, parts, strict=True):
+            outs[i] = part
     if pad:  # padding: its output is never read
         outs.append(torch.zeros_like(qs[-1]))
-    return torch.cat(outs, dim=2)
+    return torch.cat(outs, dim=2)  # type: ignore[arg-type]  # every piece is a root or some node's child
 
 
 def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -146,8 +191,8 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         # The structured path calls the CPU flash kernels and has no dropout, window or sinks; the
         # dense mask (exact, O(T^2)) covers the rest. (CUDA training uses flex_attention unless the
         # model has windows or sinks, see backend_for.)
-        mask = dense_mask(packed_layout.segment_ids.to(query.device), packed_layout.completion_ids.to(query.device),
-                          packed_layout.position_ids.to(query.device), sliding_window)
+        mask = dense_mask(packed_layout.scope_end.to(query.device), packed_layout.position_ids.to(query.device),
+                          sliding_window)
         if s_aux is not None:
             return _dense_attention(module, query, key, value, mask, dropout, scaling, s_aux)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -202,15 +247,12 @@ def register_packed_attention() -> None:
     _registered = True
 
 
-def dense_mask(segment_ids: torch.Tensor, completion_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+def dense_mask(scope_end: torch.Tensor, position_ids: torch.Tensor | None = None,
                window: int | None = None) -> torch.Tensor:
     """[1, 1, T, T] boolean mask, True where query (row) may attend key (column); with a sliding
     window, keys `window` or more positions (in the sequence, not the row) back are dropped."""
-    t = segment_ids.numel()
-    idx = torch.arange(t, device=segment_ids.device)
-    mask = idx[None, :] <= idx[:, None]
-    mask &= segment_ids[None, :] == segment_ids[:, None]
-    mask &= (completion_ids[None, :] == 0) | (completion_ids[None, :] == completion_ids[:, None])
+    idx = torch.arange(scope_end.numel(), device=scope_end.device)
+    mask = (idx[None, :] <= idx[:, None]) & (idx[:, None] < scope_end[None, :])
     if window is not None and position_ids is not None:
         mask &= position_ids[:, None] - position_ids[None, :] < window
     return mask[None, None]
@@ -219,20 +261,19 @@ def dense_mask(segment_ids: torch.Tensor, completion_ids: torch.Tensor, position
 # ------------------------------------------------------------------ CUDA only (flex_attention)
 
 
-def flex_block_mask(segment_ids: torch.Tensor, completion_ids: torch.Tensor) -> Any:
-    """A flex_attention BlockMask with the same rule as dense_mask (tensors on the CUDA device),
+def flex_block_mask(scope_end: torch.Tensor) -> Any:
+    """A flex_attention BlockMask with the same rule as dense_mask (tensor on the CUDA device),
     its block structure read from the row layout (block_mask.py) rather than searched for."""
     from sleuth.train.block_mask import layout_block_mask
 
-    return layout_block_mask(segment_ids, completion_ids, packed_mask_mod(segment_ids, completion_ids))
+    return layout_block_mask(scope_end, packed_mask_mod(scope_end))
 
 
-def packed_mask_mod(segment_ids: torch.Tensor, completion_ids: torch.Tensor) -> Any:
+def packed_mask_mod(scope_end: torch.Tensor) -> Any:
     """flex_attention mask_mod(b, h, q_idx, kv_idx) -> bool with the packing rule."""
-    seg, comp = segment_ids, completion_ids
 
     def mask_mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
-        return (kv <= q) & (seg[q] == seg[kv]) & ((comp[kv] == 0) | (comp[kv] == comp[q]))
+        return (kv <= q) & (q < scope_end[kv])
 
     return mask_mod
 
@@ -241,9 +282,9 @@ def attention_kwargs(row: PackedRow, backend: str, device: torch.device) -> dict
     """The model-forward keyword arguments that make its attention honour the packed layout."""
     if backend == PACKED:
         return {"attention_mask": None, "packed_layout": row_layout(row)}
-    seg, comp = row.segment_ids.to(device), row.completion_ids.to(device)
+    scope_end = row.scope_end.to(device)
     if backend == "flex_attention":
-        return {"attention_mask": flex_block_mask(seg, comp)}
+        return {"attention_mask": flex_block_mask(scope_end)}
     # Any other implementation gets the dense mask; the trainer's self-check catches the ones
     # (such as "eager") that do not apply a boolean mask correctly.
-    return {"attention_mask": dense_mask(seg, comp)}
+    return {"attention_mask": dense_mask(scope_end)}

@@ -3,12 +3,12 @@
 `create_block_mask` finds the block structure by evaluating the mask function on all T x T
 (query, key) pairs: for a 16k-token row that took 17-20 ms per row on an H200, as long as the
 attention itself. A packed row's layout says where the answer can be non-empty without looking:
-the packing rule (attention.py: causal, same segment, key is a prompt token or a token of the
-query's own completion) can only allow a (query block, key block) pair when the key block is not
-after the query block, their segment ranges meet, and the key block holds a prompt token or
-completion ids that meet the query block's. For Temporal-Clue-shaped rows that leaves about one
-block pair in ten; only those are evaluated token by token with the mask function (so the rule
-keeps one home, `packed_mask_mod`) and sorted into full and partial blocks.
+the packing rule (attention.py: key j is visible to query i iff j <= i < scope_end[j]) can only
+allow a (query block, key block) pair when the key block is not after the query block and the
+largest scope end of its keys reaches past the query block's first token. For Temporal-Clue-shaped
+rows that leaves about one block pair in ten; only those are evaluated token by token with the
+mask function (so the rule keeps one home, `packed_mask_mod`) and sorted into full and partial
+blocks.
 
 The result is exact (tests compare it block for block with create_block_mask), so the kernel
 skips the same blocks either way. Works on any device; only the attention kernel needs CUDA.
@@ -25,53 +25,28 @@ BLOCK = 128
 """flex_attention's default block size (query and key)."""
 
 
-def _block_summaries(segment_ids: torch.Tensor, completion_ids: torch.Tensor, block: int) -> dict[str, torch.Tensor]:
-    """Per block of `block` tokens: its segment range, whether it holds prompt tokens, and the
-    completion-id range of its completion tokens."""
-    t = segment_ids.numel()
-    nb = -(-t // block)
-    pad = nb * block - t
-    seg = segment_ids.long().clone()
-    # Padding (-1) sits at the row end: renumber it past every real segment so that segment ids
-    # never decrease along the row (padding still only meets padding).
-    seg[seg < 0] = int(seg.max().item()) + 1
-    comp = completion_ids.long()
-    big = torch.iinfo(torch.long).max
-
-    def per_block(x: torch.Tensor, fill: int | bool) -> torch.Tensor:
-        # Tokens past T (filling the last block) take a neutral value for the min / max / any.
-        return F.pad(x, (0, pad), value=fill).view(nb, block)
-
-    is_comp = comp > 0
-    return {"seg_lo": per_block(seg, big).amin(1), "seg_hi": per_block(seg, -1).amax(1),
-            "any_prompt": per_block(~is_comp, False).any(1),
-            "comp_lo": per_block(torch.where(is_comp, comp, big), big).amin(1),
-            "comp_hi": per_block(torch.where(is_comp, comp, -1), -1).amax(1)}
-
-
-def _candidates(segment_ids: torch.Tensor, completion_ids: torch.Tensor, block: int) -> torch.Tensor:
+def _candidates(scope_end: torch.Tensor, block: int) -> torch.Tensor:
     """[nb, nb] (query block, key block) pairs that may hold an allowed pair of tokens: a superset
-    of the non-empty blocks, from the per-block summaries alone."""
-    s = _block_summaries(segment_ids, completion_ids, block)
-    idx = torch.arange(s["seg_lo"].numel(), device=segment_ids.device)
-    causal = idx[None, :] <= idx[:, None]
-    seg_meet = (s["seg_hi"][None, :] >= s["seg_lo"][:, None]) & (s["seg_lo"][None, :] <= s["seg_hi"][:, None])
-    comp_meet = (s["comp_hi"][None, :] >= s["comp_lo"][:, None]) & (s["comp_lo"][None, :] <= s["comp_hi"][:, None])
-    # A key block without prompt tokens is visible only to queries of the same completions.
-    return causal & seg_meet & (s["any_prompt"][None, :] | comp_meet)
+    of the non-empty blocks. An allowed (i, j) has j <= i, so key block <= query block, and
+    i < scope_end[j], so the key block's largest scope end lies past the query block's start."""
+    t = scope_end.numel()
+    nb = -(-t // block)
+    reach = F.pad(scope_end.long(), (0, nb * block - t), value=0).view(nb, block).amax(1)
+    idx = torch.arange(nb, device=scope_end.device)
+    return (idx[None, :] <= idx[:, None]) & (reach[None, :] > idx[:, None] * block)
 
 
-def block_states(segment_ids: torch.Tensor, completion_ids: torch.Tensor, mask_mod: Any,
-                 block: int = BLOCK, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+def block_states(scope_end: torch.Tensor, mask_mod: Any, block: int = BLOCK,
+                 chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial, full) boolean [nb, nb] matrices over (query block, key block) pairs: the candidate
     blocks are evaluated token by token with `mask_mod` (in chunks of `chunk` blocks), the rest is
     empty without looking."""
-    t = segment_ids.numel()
-    cand = _candidates(segment_ids, completion_ids, block)
+    t = scope_end.numel()
+    cand = _candidates(scope_end, block)
     partial = torch.zeros_like(cand)
     full = torch.zeros_like(cand)
     pairs = cand.nonzero()
-    offs = torch.arange(block, device=segment_ids.device)
+    offs = torch.arange(block, device=scope_end.device)
     for c in range(0, pairs.shape[0], chunk):
         qb, kb = pairs[c:c + chunk, 0], pairs[c:c + chunk, 1]
         qi, ki = qb[:, None] * block + offs, kb[:, None] * block + offs  # [P, block] token indices
@@ -97,14 +72,13 @@ def _as_kv_blocks(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts.view(1, 1, nb), order.view(1, 1, nb, nb)
 
 
-def layout_block_mask(segment_ids: torch.Tensor, completion_ids: torch.Tensor, mask_mod: Any,
-                      block: int = BLOCK) -> Any:
-    """A BlockMask for a packed row ([T] ids on the attention's device) with `mask_mod` applied
-    inside partial blocks only."""
+def layout_block_mask(scope_end: torch.Tensor, mask_mod: Any, block: int = BLOCK) -> Any:
+    """A BlockMask for a packed row ([T] scope ends on the attention's device) with `mask_mod`
+    applied inside partial blocks only."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    t = segment_ids.numel()
-    partial, full = block_states(segment_ids, completion_ids, mask_mod, block)
+    t = scope_end.numel()
+    partial, full = block_states(scope_end, mask_mod, block)
     kv_num, kv_idx = _as_kv_blocks(partial)
     full_num, full_idx = _as_kv_blocks(full)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block, mask_mod=mask_mod,

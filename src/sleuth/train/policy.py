@@ -35,6 +35,29 @@ ADAPTER = "default"
 log = logging.getLogger(__name__)
 
 
+class RowLogprobs(torch.nn.Module):
+    """The trainer's forward as one module: the LM body, then chunked logprobs at chosen positions.
+
+    Body and head in one module call (rather than `lm.model(...)` and a separate use of the head
+    weight) lets FSDP2 shard this module as the root: its forward hooks gather the embeddings,
+    final norm and lm_head that sit outside the decoder layers.
+    """
+
+    def __init__(self, lm: Any) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, predictor_index: torch.Tensor | None = None,
+                target_ids: torch.Tensor | None = None, **model_kwargs: Any) -> Any:
+        """(logprob, entropy) of `target_ids` predicted at `predictor_index`; without targets the
+        model's own full forward and its logits (the self-check's reference)."""
+        if target_ids is None or predictor_index is None:
+            return self.lm(input_ids=input_ids, use_cache=False, **model_kwargs).logits
+        out = self.lm.model(input_ids=input_ids, use_cache=False, **model_kwargs)
+        hidden = out.last_hidden_state[0].index_select(0, predictor_index)
+        return token_logprobs(hidden, self.lm.get_output_embeddings(), target_ids)
+
+
 class Policy:
     """A causal LM being trained, with its tokenizer and (optionally) its reference."""
 
@@ -70,6 +93,10 @@ class Policy:
                 self._reference_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.model = model
         self.model.train()
+        self.row_model = RowLogprobs(self.causal_lm)
+        self.reference_row_model = None if self._reference_model is None else RowLogprobs(self._reference_model)
+        self.compute_dtype: torch.dtype = self.causal_lm.dtype
+        """The dtype matmuls run in (FSDP2 mixed precision keeps float32 parameters, computes in bf16)."""
 
     # ------------------------------------------------------------------ construction
 
@@ -128,18 +155,16 @@ class Policy:
 
     # ------------------------------------------------------------------ forward passes
 
-    def _row_forward(self, lm: Any, row: PackedRow) -> tuple[torch.Tensor, torch.Tensor]:
+    def _row_forward(self, row_model: RowLogprobs, row: PackedRow) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.device
-        out = lm.model(
-            input_ids=row.input_ids.to(dev)[None], position_ids=row.position_ids.to(dev)[None],
-            use_cache=False, **attention_kwargs(row, self.attn_backend, dev),
+        return row_model(
+            row.input_ids.to(dev)[None], row.predictor_index.to(dev), row.target_ids.to(dev),
+            position_ids=row.position_ids.to(dev)[None], **attention_kwargs(row, self.attn_backend, dev),
         )
-        hidden = out.last_hidden_state[0].index_select(0, row.predictor_index.to(dev))
-        return token_logprobs(hidden, lm.get_output_embeddings(), row.target_ids.to(dev))
 
     def row_logprobs(self, row: PackedRow) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprob [N] with grad, entropy [N]) of every completion token of a packed row."""
-        return self._row_forward(self.causal_lm, row)
+        return self._row_forward(self.row_model, row)
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[Any]:
@@ -154,8 +179,12 @@ class Policy:
 
     @torch.no_grad()
     def reference_logprobs(self, row: PackedRow) -> torch.Tensor:
-        with self.reference() as ref:
-            return self._row_forward(ref, row)[0]
+        if self.is_lora:
+            with self.model.disable_adapter():
+                return self._row_forward(self.row_model, row)[0]
+        if self.reference_row_model is None:
+            raise RuntimeError("full fine-tuning policy built without a reference (need_reference=False)")
+        return self._row_forward(self.reference_row_model, row)[0]
 
     @torch.no_grad()
     def naive_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
@@ -164,7 +193,7 @@ class Policy:
         scaling, which row_logprobs does not apply) fails the self-check too."""
         ids = torch.tensor([prompt_ids + completion_ids], device=self.device)
         p, n = len(prompt_ids), len(completion_ids)
-        logits = self.causal_lm(input_ids=ids, use_cache=False).logits[0, p - 1 : p - 1 + n].float()
+        logits = self.row_model(ids)[0, p - 1 : p - 1 + n].float()
         targets = torch.tensor(completion_ids, device=self.device)
         return torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
 
@@ -232,10 +261,18 @@ class Policy:
 
     @torch.no_grad()
     def load_weights(self, in_dir: str | Path) -> None:
-        """Load what save() wrote into this policy (same base model and LoRA settings)."""
+        """Load what save() wrote into this policy (same base model and LoRA settings).
+
+        A sharded checkpoint of FSDP2 ranks (train/fsdp.py) loads too, on any number of processes.
+        """
         from safetensors.torch import load_file
 
+        from sleuth.train.fsdp import is_sharded_checkpoint, load_checkpoint
+
         src = Path(in_dir)
+        if is_sharded_checkpoint(src):
+            load_checkpoint(src, self)
+            return
         if self.is_lora:
             from peft import set_peft_model_state_dict
 

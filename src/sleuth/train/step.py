@@ -29,7 +29,7 @@ from sleuth.errors import UserError
 from sleuth.records import Group
 from sleuth.train.losses import AGGREGATIONS, aggregation_weights, get_loss, k3_kl, tis_weights
 from sleuth.train.optim import build_optimizer, measure_matmul_flops
-from sleuth.train.packing import PackedBatch, pack_groups
+from sleuth.train.packing import PackedBatch, PackedRow, loss_mask, pack_groups, prompt_of
 from sleuth.train.policy import Policy
 
 SELF_CHECK_TOL = {torch.float32: (1e-3, 1e-4), torch.bfloat16: (math.inf, 0.25)}
@@ -72,7 +72,15 @@ class _PassCache:
 
 
 class Trainer:
-    """Optimizer, schedule and the packed policy-gradient step for one Policy."""
+    """Optimizer, schedule and the packed policy-gradient step for one Policy.
+
+    A sharded trainer (fsdp.py) overrides the hooks `_micro_rows` (which rows this process runs),
+    `_reduce_sums` (sums over processes), `_clip_grad_norm` and `_check_rows`; the step itself is
+    this one.
+    """
+
+    world_size = 1
+    """Processes that share one step (FSDP2 ranks); 1 for this single-process trainer."""
 
     def __init__(self, policy: Policy, algorithm_cfg: AlgorithmConfig, trainer_cfg: TrainerConfig,
                  total_steps: int | None = None, max_tokens: int = 256, peak_flops: float | None = None) -> None:
@@ -106,7 +114,14 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        """What state_dict() returned; or, from FSDP2 ranks, a state without the optimizer whose
+        sharded optimizer state is in the folder `state["optimizer_dir"]` (CheckpointManager)."""
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            from sleuth.train.fsdp import load_checkpoint
+
+            load_checkpoint(state["optimizer_dir"], self.policy, self)
         self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = int(state["step_count"])
         self.self_checked = bool(state.get("self_checked", True))
@@ -147,7 +162,7 @@ class Trainer:
                                on_row=None if on_row is None else
                                lambda r, done=done: on_row(done + r, epochs * len(batch.rows)))
             finite = math.isfinite(stats["loss"])
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)) if finite else math.nan
+            grad_norm = self._clip_grad_norm() if finite else math.nan
             if finite and math.isfinite(grad_norm):
                 self.optimizer.step()
                 self.scheduler.step()
@@ -179,20 +194,46 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return self._pass(batch, _PassCache(), first=True)["loss"]
 
+    # ------------------------------------------------------------------ hooks of a sharded trainer
+
+    def _micro_rows(self, batch: PackedBatch) -> list[PackedRow | None]:
+        """The rows this process runs, in order; None is an empty micro-step (see fsdp.py)."""
+        return list(batch.rows)
+
+    def _empty_row(self) -> PackedRow:
+        raise NotImplementedError("a single-process trainer runs no empty micro-steps")
+
+    def _reduce_sums(self, values: list[float]) -> list[float]:
+        """Sums over the processes sharing the step (this one alone here)."""
+        return values
+
+    def _clip_grad_norm(self) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+
+    def _check_rows(self, batch: PackedBatch) -> list[PackedRow]:
+        """The rows the packed-vs-naive self-check picks from."""
+        return batch.rows
+
     def _pad_multiple(self) -> int:
         # flex_attention works in 128-token blocks; padding rows to them avoids recompilation.
         return 128 if self.policy.attn_backend == "flex_attention" else 1
 
     def _pass(self, batch: PackedBatch, cache: _PassCache, first: bool,
               on_row: Callable[[int], None] | None = None) -> dict[str, float]:
-        """Forward + backward over every row, accumulating gradients; stops at a non-finite loss."""
+        """Forward + backward over every row, accumulating gradients.
+
+        A non-finite loss stops the pass (a sharded trainer runs on with NaN: every rank must make
+        the same collective calls, and the NaN loss skips the update on all of them). An empty
+        micro-step (row None) runs a tiny row with zero weight: it adds nothing but joins the collectives.
+        """
         policy, algo = self.policy, self.algo
         beta = algo.kl_beta
         seq_weight = aggregation_weights(batch.seq_lengths, algo.aggregation, self.max_tokens).to(policy.device)
         n_tok = batch.n_completion_tokens
         sums = dict.fromkeys(("kl", "entropy", "tis_weight_mean", "tis_capped_frac"), 0.0)
-        loss_sum, low, high = 0.0, 0, 0
-        for r, row in enumerate(batch.rows):
+        loss_sum, low, high, done = 0.0, 0, 0, 0
+        for r, micro_row in enumerate(self._micro_rows(batch)):
+            row = self._empty_row() if micro_row is None else micro_row
             logp, entropy = policy.row_logprobs(row)
             dev = logp.device
             if first:
@@ -207,12 +248,18 @@ class Trainer:
             if beta > 0:
                 kl = k3_kl(logp, cache.ref[r])
                 token_loss = token_loss + beta * kl
-                sums["kl"] += float(kl.detach().sum())
+                kl_sum = float(kl.detach().sum())
             row_loss = (seq_weight[token_seq] * token_loss).sum()
+            if micro_row is None:
+                (row_loss * 0.0).backward()
+                continue
             if not torch.isfinite(row_loss):
                 loss_sum = math.nan
-                break
+                if self.world_size == 1:
+                    break
             row_loss.backward()
+            if beta > 0:
+                sums["kl"] += kl_sum
             loss_sum += float(row_loss.detach())
             low += int(pl.clipped_low.sum())
             high += int(pl.clipped_high.sum())
@@ -220,8 +267,13 @@ class Trainer:
             sums["tis_weight_mean"] += float(tis.sum())
             if algo.tis_cap is not None:
                 sums["tis_capped_frac"] += float((tis >= algo.tis_cap).sum())
+            done += 1
             if on_row is not None:
-                on_row(r + 1)
+                on_row(done)
+        keys = list(sums)
+        totals = self._reduce_sums([loss_sum, float(low), float(high), *sums.values()])
+        loss_sum, low, high = totals[0], totals[1], totals[2]
+        sums = dict(zip(keys, totals[3:]))
         out = {k: v / n_tok for k, v in sums.items()}
         out.update({"loss": loss_sum, "clip_frac_low": low / n_tok, "clip_frac_high": high / n_tok})
         return out
@@ -229,7 +281,7 @@ class Trainer:
     def _throughput(self, batch: PackedBatch, elapsed: float, epochs: int, with_ref: bool) -> dict[str, float]:
         dev = self.policy.device
         if self.peak_flops is None:
-            self.peak_flops = measure_matmul_flops(self.policy.causal_lm.dtype, dev, n=512)
+            self.peak_flops = measure_matmul_flops(self.policy.compute_dtype, dev, n=512) * self.world_size
         # 6 FLOPs per parameter and token for forward + backward; the reference adds a forward (2).
         per_token = 6 + (2 if with_ref else 0)
         flops = per_token * (self._body_params * batch.n_tokens + self._head_params * batch.n_completion_tokens)
@@ -247,31 +299,36 @@ class Trainer:
     def self_check(self, groups: list[Group], batch: PackedBatch) -> dict[str, float]:
         """Compare packed and naive logprobs on a small slice; raise SelfCheckError on mismatch.
 
-        The slice is the first and last completion of the row holding the most completions, so
-        a kernel that keeps causality but ignores the packed mask is caught too.
+        The slice is the first and last sequence of the row with the deepest prefix tree (then the
+        most sequences; among `_check_rows`: rank 0's with FSDP2), and the sequence with the longest
+        path through it, so a kernel that keeps causality but ignores the packed mask (or one branch
+        of a tree) is caught too.
         """
         policy = self.policy
-        row = max(batch.rows, key=lambda r: len(r.placements))
+        row = max(self._check_rows(batch),
+                  key=lambda r: (max(pl.depth for pl in r.placements), len(r.placements)))
+        deepest = max(row.placements, key=lambda pl: pl.depth)
         was_training = policy.model.training
         policy.model.eval()
         try:
             packed, _ = policy.row_logprobs(row)
             diffs = []
-            chosen = {row.placements[0].seq: row.placements[0], row.placements[-1].seq: row.placements[-1]}
+            chosen = {pl.seq: pl for pl in (row.placements[0], deepest, row.placements[-1])}
             offsets = {}
             n = 0
             for pl in row.placements:
                 offsets[pl.seq] = n
-                n += pl.length
+                n += pl.n_targets
             for seq, pl in chosen.items():
                 group = groups[pl.group]
                 comp = group.completions[pl.completion]
-                naive = policy.naive_logprobs(group.prompt_ids, comp.completion_ids)
-                diffs.append((packed[offsets[seq] : offsets[seq] + pl.length] - naive).abs().float())
+                naive = policy.naive_logprobs(prompt_of(group, comp), comp.completion_ids)
+                sampled = torch.tensor(loss_mask(comp), dtype=torch.bool, device=naive.device)
+                diffs.append((packed[offsets[seq] : offsets[seq] + pl.n_targets] - naive[sampled]).abs().float())
         finally:
             policy.model.train(was_training)
         diff = torch.cat(diffs)
-        max_tol, mean_tol = SELF_CHECK_TOL.get(policy.causal_lm.dtype, SELF_CHECK_TOL[torch.bfloat16])
+        max_tol, mean_tol = SELF_CHECK_TOL.get(policy.compute_dtype, SELF_CHECK_TOL[torch.bfloat16])
         if policy.model_cfg.quantization != "none":
             max_tol, mean_tol = SELF_CHECK_TOL_QUANTIZED
         max_diff, mean_diff = float(diff.max()), float(diff.mean())

@@ -1,0 +1,208 @@
+"""Scale-out costs on this machine: weight sync through Ray, and one default iteration on Ray.
+
+    flock /work/locks/heavy .venv/bin/python bench/scale.py [--skip-iteration]
+
+1. Full-weight sync: SmolLM2-135M-Instruct's weights (model.dtype of the default, float32) into one
+   rollout worker (transformers engine) through Ray's object store (sleuth.sync.RayTransport, the
+   loop's path) against the same engine in this process (InProcessTransport). Median of 3.
+2. LoRA sync: the default's adapter (rank 16, all linear layers) the same two ways. Median of 5.
+3. One iteration of the embedded default (SmolLM2, LoRA, Temporal Clue, vLLM when installed) with
+   1 trainer (the driver) + 1 rollout worker on Ray against the in-process run, both at this
+   machine's cores, evaluation off; the second iteration's time/iteration_s is compared (the first
+   pays for warm-up). Target: ray_overhead <= 0.10.
+4. fsdp2_step_ratio: bench/fsdp_step.py (2 gloo ranks vs 1 process) when it exists.
+5. --memory: the --dry-run trainer estimate (cluster/plan.py) against the measured peak RSS of one
+   step of the default (SmolLM2, float32, LoRA) on one full packed row of --row-tokens, in a fresh
+   process: the RSS the model load adds vs the "params" estimate, and the peak the step adds over
+   that vs "grads + optimizer + activations".
+Last line: `sync_gb_s=... lora_sync_ms=... ray_overhead=...` (+ fsdp2_step_ratio=...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from sleuth.cli.train import default_config_path
+from sleuth.config import ClusterConfig, RolloutConfig, load_config
+from sleuth.hardware import cpu_description
+from sleuth.models import SMOLLM2_ALIAS, resolve_model_path
+from sleuth.rollout.factory import make_engine
+from sleuth.sync import InProcessTransport, RayTransport, lora_adapter
+from sleuth.train.policy import Policy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def progress(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def timed(fn, reps: int) -> tuple[float, int]:
+    """Median seconds of fn() over reps, and the bytes it reported."""
+    times, moved = [], 0
+    for _ in range(reps):
+        t = time.perf_counter()
+        moved = fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), moved
+
+
+def bench_sync(folder: str) -> dict[str, float]:
+    import ray
+
+    from sleuth.cluster.rollout_pool import RolloutPool
+    from sleuth.cluster.runtime import WorkerSpec
+
+    cfg = load_config(default_config_path())
+    policy = Policy.from_config(cfg.model, need_reference=False)
+    full = [(n, t.contiguous()) for n, t in policy.sync_state()]
+    adapter = lora_adapter(policy)
+    rollout = RolloutConfig(engine="hf", max_tokens=8)
+    local = make_engine(rollout, folder, cfg.model.dtype, 0)
+    cores = os.cpu_count() or 2
+    ray.init(address="local", num_cpus=cores, include_dashboard=False, log_to_driver=False,
+             logging_level="warning", object_store_memory=2 * 1024**3)
+    pool = RolloutPool(rollout, ClusterConfig(), folder, cfg.model.dtype, 0,
+                       [WorkerSpec("rollout", 0, cores, 0)])
+    try:
+        progress("full-weight sync")
+        ray_full, nbytes = timed(lambda: RayTransport().send_full(pool, full), 3)
+        local_full, _ = timed(lambda: InProcessTransport().send_full(local, full), 3)
+        progress("LoRA sync")
+        ray_lora, lora_bytes = timed(lambda: RayTransport().send_adapter(pool, adapter), 5)
+        local_lora, _ = timed(lambda: InProcessTransport().send_adapter(local, adapter), 5)
+    finally:
+        pool.close()
+        local.close()
+        ray.shutdown()
+    return {"full_bytes": nbytes, "ray_full_s": ray_full, "local_full_s": local_full,
+            "lora_bytes": lora_bytes, "ray_lora_s": ray_lora, "local_lora_s": local_lora}
+
+
+def one_iteration(on_ray: bool, out: Path) -> float:
+    """time/iteration_s of iteration 2 of the default (evaluation off), in a fresh process."""
+    args = ["loop.iterations=2", "loop.evaluate=false", "loop.checkpoint_every=0", "logging.tensorboard=false"]
+    code = (
+        "import sys, json; from io import StringIO; from pathlib import Path\n"
+        "from sleuth.cli.train import default_config_path; from sleuth.config import load_config\n"
+        "from sleuth.loop import train\n"
+        "args = json.loads(sys.argv[1]); out = Path(sys.argv[2])\n"
+        "if sys.argv[3] == 'ray':\n"
+        "    import os, ray\n"
+        "    ctx = ray.init(address='local', num_cpus=os.cpu_count(), include_dashboard=False,\n"
+        "                   log_to_driver=False, logging_level='warning')\n"
+        "    args += [f\"cluster.address={ctx.address_info['gcs_address']}\",\n"
+        "             f'cluster.cpus_per_worker={os.cpu_count()}']\n"
+        "train(load_config(default_config_path(), args), out, out=StringIO())\n"
+    )
+    subprocess.run([sys.executable, "-c", code, json.dumps(args), str(out), "ray" if on_ray else "local"],
+                   check=True, cwd=ROOT)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = next(r for r in rows if r["iteration"] == 2)
+    return float(last["time/iteration_s"])
+
+
+MEMORY_CODE = """
+import json, resource, sys
+import torch
+from sleuth.cli.train import default_config_path
+from sleuth.config import load_config
+from sleuth.records import Completion, Group, Problem
+from sleuth.train.policy import Policy
+from sleuth.train.step import Trainer
+
+def rss_gib():  # current resident set size
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() / 2**30
+
+row = int(sys.argv[1])
+cfg = load_config(default_config_path(), [f"trainer.row_tokens={row}", "trainer.self_check=false"])
+before = rss_gib()
+policy = Policy.from_config(cfg.model, need_reference=False)
+loaded = rss_gib()
+trainer = Trainer(policy, cfg.algorithm, cfg.trainer, total_steps=2, max_tokens=64)
+gen = torch.Generator().manual_seed(0)
+prompt = torch.randint(100, 40000, (row - 12 * 64,), generator=gen).tolist()
+comps = [Completion(prompt, torch.randint(100, 40000, (64,), generator=gen).tolist(), [-1.0] * 64, "stop", "",
+                    reward=float(k % 2)) for k in range(12)]
+group = Group(Problem("p", [], None), prompt, comps, advantages=[1.0 if k % 2 else -1.0 for k in range(12)])
+trainer.step([group])
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+print(json.dumps({"params": loaded - before, "step": peak - loaded}))
+"""
+
+
+def memory_check(row_tokens: int) -> None:
+    from sleuth.cluster.plan import ModelShape, trainer_memory
+
+    proc = subprocess.run([sys.executable, "-c", MEMORY_CODE, str(row_tokens)], capture_output=True, text=True,
+                          check=True, cwd=ROOT)
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    cfg = load_config(default_config_path(), [f"trainer.row_tokens={row_tokens}"])
+    est = trainer_memory(cfg, ModelShape.from_folder(resolve_model_path(cfg.model.path)), 1)
+    step_est = est["grads"] + est["optimizer"] + est["activations"]
+    print(f"| SmolLM2 LoRA float32, row {row_tokens} tokens | estimate GiB | measured GiB |")
+    print("|---|---|---|")
+    print(f"| parameters (RSS added by loading) | {est['params']:.2f} | {got['params']:.2f} |")
+    print(f"| step peak over that (grads + optimizer + activations) | {step_est:.2f} | {got['step']:.2f} |")
+    print(f"memory_estimate_ratio={(est['params'] + step_est) / (got['params'] + got['step']):.2f}")
+
+
+def fsdp_ratio() -> float | None:
+    script = ROOT / "bench" / "fsdp_step.py"
+    if not script.exists():
+        return None
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT)
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    for item in last.split():
+        key, _, value = item.partition("=")
+        if key == "fsdp2_step_ratio":
+            return float(value)
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--skip-iteration", action="store_true", help="only the sync figures")
+    ap.add_argument("--memory", action="store_true", help="only the memory estimate against a measured peak")
+    ap.add_argument("--row-tokens", type=int, default=1024)
+    a = ap.parse_args()
+    print(f"CPU: {cpu_description()}; torch threads {torch.get_num_threads()}")
+    if a.memory:
+        memory_check(a.row_tokens)
+        return
+    folder = str(resolve_model_path(SMOLLM2_ALIAS))
+    s = bench_sync(folder)
+    gb = s["full_bytes"] / 1e9
+    print("| sync | bytes | Ray s | in-process s | Ray GB/s |")
+    print("|---|---|---|---|---|")
+    print(f"| full weights | {s['full_bytes']:.0f} | {s['ray_full_s']:.3f} | {s['local_full_s']:.3f} | "
+          f"{gb / s['ray_full_s']:.2f} |")
+    print(f"| LoRA adapter | {s['lora_bytes']:.0f} | {s['ray_lora_s'] * 1e3:.1f} ms | "
+          f"{s['local_lora_s'] * 1e3:.1f} ms | |")
+    line = f"sync_gb_s={gb / s['ray_full_s']:.3f} lora_sync_ms={s['ray_lora_s'] * 1e3:.1f}"
+    if not a.skip_iteration:
+        with tempfile.TemporaryDirectory() as tmp:
+            progress("default iteration in one process")
+            local = one_iteration(False, Path(tmp) / "local")
+            progress("default iteration with a Ray rollout worker")
+            on_ray = one_iteration(True, Path(tmp) / "ray")
+        print(f"| iteration 2 of the default | in-process {local:.1f} s | Ray 1+1 {on_ray:.1f} s |")
+        line += f" ray_overhead={on_ray / local - 1:.3f}"
+    ratio = fsdp_ratio()
+    if ratio is not None:
+        line += f" fsdp2_step_ratio={ratio:.3f}"
+    print(line)
+
+
+if __name__ == "__main__":
+    main()

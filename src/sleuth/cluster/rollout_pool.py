@@ -1,0 +1,363 @@
+"""Rollout workers on Ray: each actor owns one engine; the pool is a RolloutEngine over them.
+
+    pool = RolloutPool(cfg.rollout, cfg.cluster, model_path, dtype, seed, specs)
+    async for result in pool.stream(requests): ...    # as each group finishes, on any worker
+    pool.sync_weights(policy.sync_state())             # buckets through the object store
+    pool.sync_lora(adapter)                            # or just the adapter
+
+Scheduling: each call's groups go to the least-loaded worker (in-flight samples), a group's n
+samples stay on one worker (its prefix cache), and each worker gets its share in one call, so it
+batches them as the in-process engine would batch the same set. Every request carries its own
+sampling seed, so with the transformers engine a group gives the same samples on whichever worker
+runs it (up to float rounding of a different batch composition). vLLM seeds each request's sampler
+too, but its logits depend on the batch it lands in, so it promises the same samples only for the
+same batch.
+
+Failures: Ray restarts a worker whose process dies (max_restarts). Every call carries the weights
+version the pool last synced; a worker that is new (or missed a sync) refuses with StaleWeights, the
+pool starts its engine, re-syncs it with the latest weights (kept in the object store) and re-issues
+the worker's unfinished groups, counting `worker_restarts`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+from sleuth.cluster.runtime import Assignment, ClusterError, WorkerSpec
+from sleuth.config import ClusterConfig, Config, RolloutConfig
+from sleuth.records import LoraAdapter
+from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
+from sleuth.sync import Bucket, RayTransport, unpack
+
+MAX_RESTARTS = 4
+"""Ray restarts a dead rollout worker this many times in a run before the run stops."""
+
+
+class StaleWeights(RuntimeError):
+    """A worker holds other weights than the pool last synced (it was restarted)."""
+
+
+class WeightSyncTimeoutError(RuntimeError):
+    """A weight sync to the rollout workers did not finish within cluster.sync_timeout_s."""
+
+
+class RolloutWorkerError(RuntimeError):
+    """A rollout worker died for good (more restarts than MAX_RESTARTS) or did not start."""
+
+
+class RolloutWorker:
+    """A Ray actor (async: the engine's futures resolve on the actor's event loop) owning one engine."""
+
+    def __init__(self, rollout_cfg: dict[str, Any], model_path: str, dtype: str, seed: int, threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(threads)
+        self._args = (RolloutConfig(**rollout_cfg), model_path, dtype, seed)
+        self.engine: RolloutEngine | None = None
+        self.version = 0
+        """Weights version: 0 = the model folder's weights; the pool's sync counter after a sync."""
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        return {"pid": os.getpid(), "ip": ray.util.get_node_ip_address(), "version": self.version,
+                "gpus": ray.get_gpu_ids(), "context_len": getattr(self.engine, "context_len", 0),
+                "native_lora": bool(self.engine is not None and self.engine.native_lora)}
+
+    async def start(self) -> dict[str, Any]:
+        if self.engine is None:
+            from sleuth.rollout.factory import make_engine
+
+            self.engine = await asyncio.to_thread(make_engine, *self._args)
+        return self.info()
+
+    def _check(self, version: int) -> RolloutEngine:
+        if self.engine is None or self.version != version:
+            raise StaleWeights(f"worker holds weights version {self.version}, the pool {version}")
+        return self.engine
+
+    async def stream(self, requests: list[GenerationRequest], version: int) -> Any:
+        engine = self._check(version)
+        async for result in engine.stream(requests):
+            yield result
+
+    async def load_weights(self, bucket_refs: list[Any], version: int) -> int:
+        """Fetch the buckets and load them into the engine; returns the bytes read."""
+        import ray
+
+        engine = self.engine
+        if engine is None:
+            raise StaleWeights("worker engine not started")
+        buckets: list[Bucket] = [ray.get(ref) for ref in bucket_refs]
+        await asyncio.to_thread(engine.sync_weights, [nt for b in buckets for nt in unpack(b)])
+        self.version = version
+        return sum(b.nbytes for b in buckets)
+
+    async def load_lora(self, adapter: LoraAdapter, version: int) -> None:
+        if self.engine is None:
+            raise StaleWeights("worker engine not started")
+        await asyncio.to_thread(self.engine.sync_lora, adapter)
+        self.version = version
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats() if self.engine is not None else {}
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+class RolloutPool(RolloutEngine):
+    """The RolloutEngine interface over Ray rollout workers (see the module docstring)."""
+
+    def __init__(self, rollout_cfg: RolloutConfig, cluster_cfg: ClusterConfig, model_path: str, dtype: str,
+                 seed: int, specs: Sequence[WorkerSpec], bucket_mb: float = 256) -> None:
+        super().__init__()
+        import ray
+
+        self.model_path = model_path
+        self.timeout_s = rollout_cfg.timeout_s
+        self.sync_timeout_s = cluster_cfg.sync_timeout_s
+        self.bucket_mb = bucket_mb
+        actor = ray.remote(RolloutWorker)
+        self.workers = [
+            actor.options(num_cpus=s.cpus, num_gpus=s.gpus, max_restarts=MAX_RESTARTS, max_task_retries=0,
+                          name=None).remote(rollout_cfg.model_dump(), model_path, dtype, seed,
+                                            max(1, round(s.cpus)))
+            for s in specs
+        ]
+        self._load = [0] * len(self.workers)
+        self._locks = [threading.Lock() for _ in self.workers]
+        self._version = 0
+        self._latest: tuple[str, Any] | None = None  # ("full", bucket refs) or ("lora", adapter ref)
+        self._counts = {"worker_restarts": 0, "syncs": 0}
+        infos = self._get([w.info.remote() for w in self.workers], cluster_cfg.connect_timeout_s,
+                          "placing the rollout workers (cluster.connect_timeout_s)")
+        self.placement = infos
+        self._pids = [i["pid"] for i in infos]
+        started = self._get([w.start.remote() for w in self.workers], rollout_cfg.timeout_s,
+                            "starting the rollout workers' engines (rollout.timeout_s)")
+        self.context_len = int(started[0]["context_len"])
+        self._native_lora = bool(started[0]["native_lora"])
+
+    @classmethod
+    def from_config(cls, cfg: Config, placement: Sequence[Assignment], model_path: str, dtype: str) -> RolloutPool:
+        """dtype: model.dtype resolved for this machine (auto -> float32 or bfloat16)."""
+        specs = [a.spec for a in placement if a.spec.kind == "rollout"]
+        return cls(cfg.rollout, cfg.cluster, model_path, dtype, cfg.loop.seed, specs)
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        async for result in self.stream([request]):
+            return result
+        raise RolloutWorkerError("no result")  # unreachable: stream yields one result per request
+
+    def generate_all(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Every request in one stream call (so each worker batches its share together), in order."""
+
+        async def run() -> list[GenerationResult]:
+            out: dict[int, GenerationResult] = {}
+            async for result in self.stream(list(requests)):
+                out[_position(requests, result.request, out)] = result
+            return [out[i] for i in range(len(requests))]
+
+        return asyncio.run(run())
+
+    async def stream(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[GenerationResult]:
+        shares = self._assign(requests)
+        queue: asyncio.Queue[GenerationResult | BaseException] = asyncio.Queue()
+        tasks = [asyncio.ensure_future(self._run_share(i, share, queue)) for i, share in shares.items()]
+        try:
+            for _ in range(len(requests)):
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for i, share in shares.items():
+                self._load[i] -= sum(r.n for r in share)
+
+    def _assign(self, requests: Sequence[GenerationRequest]) -> dict[int, list[GenerationRequest]]:
+        """Each group to the worker with the fewest samples in flight (ties: the lowest index)."""
+        shares: dict[int, list[GenerationRequest]] = {}
+        for r in requests:
+            i = min(range(len(self.workers)), key=lambda k: (self._load[k], k))
+            self._load[i] += r.n
+            shares.setdefault(i, []).append(r)
+        return shares
+
+    async def _run_share(self, i: int, share: list[GenerationRequest],
+                         queue: asyncio.Queue[GenerationResult | BaseException]) -> None:
+        """Stream worker i's groups; after a worker failure, recover it and re-issue what is left."""
+        import ray
+
+        left = list(share)
+        try:
+            while left:
+                gen = self.workers[i].stream.options(num_returns="streaming").remote(left, self._version)
+                try:
+                    while True:
+                        try:
+                            ref = await asyncio.wait_for(gen.__anext__(), self.timeout_s + 60)
+                        except StopAsyncIteration:
+                            break
+                        result: GenerationResult = await ref
+                        del left[_position(left, result.request, {})]
+                        queue.put_nowait(result)
+                except (ray.exceptions.RayActorError, StaleWeights) as e:
+                    await asyncio.to_thread(self._recover, i, e)
+                except ray.exceptions.RayTaskError as e:
+                    if isinstance(e.cause, StaleWeights):
+                        await asyncio.to_thread(self._recover, i, e.cause)
+                        continue
+                    raise e.cause from None
+                except TimeoutError:
+                    raise RolloutWorkerError(f"rollout worker {i} returned nothing for {self.timeout_s + 60:g} s "
+                                             "(rollout.timeout_s + 60)") from None
+        except BaseException as e:  # hand it to the consumer instead of losing it in a task
+            queue.put_nowait(e)
+
+    # ------------------------------------------------------------------ recovery
+
+    def _recover(self, i: int, error: BaseException) -> None:
+        """Wait for Ray to restart worker i, start its engine and give it the latest weights."""
+        import ray
+
+        with self._locks[i]:
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                try:
+                    info = ray.get(self.workers[i].info.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                    break
+                except ray.exceptions.ActorDiedError:
+                    raise RolloutWorkerError(f"rollout worker {i} died and was not restarted (more than "
+                                             f"{MAX_RESTARTS} restarts): {error}") from None
+                except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                    if time.monotonic() > deadline:
+                        raise RolloutWorkerError(f"rollout worker {i} did not come back within "
+                                                 f"{self.timeout_s:g} s after: {error}") from None
+                    time.sleep(0.2)
+            if info["pid"] != self._pids[i]:
+                self._counts["worker_restarts"] += 1
+                self._pids[i] = info["pid"]
+            if info["version"] != self._version or self._latest is None:
+                ray.get(self.workers[i].start.remote(), timeout=self.timeout_s)
+                if self._latest is not None:
+                    ray.get(self._send(i, self._latest, self._version), timeout=self.sync_timeout_s)
+
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def native_lora(self) -> bool:
+        return self._native_lora
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Full weights, through the object store (the RolloutEngine interface; the loop goes
+        through sleuth.sync with the same RayTransport)."""
+        RayTransport().send_full(self, named_tensors)
+
+    def sync_lora(self, adapter: LoraAdapter | None) -> None:
+        if adapter is None:
+            raise ValueError("RolloutPool.sync_lora needs an adapter")
+        RayTransport().send_adapter(self, adapter)
+
+    def load_buckets(self, refs: list[Any]) -> None:
+        """Every worker loads these weight buckets (object refs); kept for workers that restart."""
+        self._sync(("full", refs))
+
+    def load_adapter(self, ref: Any) -> None:
+        """Every worker applies this LoRA adapter (an object ref); kept for workers that restart."""
+        self._sync(("lora", ref))
+
+    def _send(self, i: int, payload: tuple[str, Any], version: int) -> Any:
+        kind, data = payload
+        if kind == "full":
+            return self.workers[i].load_weights.remote(data, version)
+        return self.workers[i].load_lora.remote(data, version)
+
+    def _sync(self, payload: tuple[str, Any]) -> None:
+        """Send payload to every worker and wait, at most cluster.sync_timeout_s in all."""
+        import ray
+
+        t0 = time.perf_counter()
+        self._version += 1
+        self._latest = payload  # kept (in the object store) for workers that restart later
+        version = self._version
+        pending = {self._send(i, payload, version): i for i in range(len(self.workers))}
+        deadline = t0 + self.sync_timeout_s
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.perf_counter()))
+            if not ready:
+                late = ", ".join(str(i) for i in sorted(pending.values()))
+                raise WeightSyncTimeoutError(f"weight sync to rollout worker(s) {late} did not finish within "
+                                             f"{self.sync_timeout_s:g} s (cluster.sync_timeout_s)")
+            i = pending.pop(ready[0])
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError as e:  # died while loading: restart + re-sync
+                self._recover(i, e)
+            except ray.exceptions.RayTaskError as e:
+                raise e.cause from None
+        self._counts["syncs"] += 1
+
+    # ------------------------------------------------------------------ the rest
+
+    def stats(self) -> dict[str, float]:
+        """The workers' engine counters summed, plus the pool's restarts and sync totals."""
+        import ray
+
+        out: dict[str, float] = {}
+        try:
+            per_worker = ray.get([w.stats.remote() for w in self.workers], timeout=30)
+        except ray.exceptions.RayError:
+            per_worker = []
+        for s in per_worker:
+            for k, v in s.items():
+                out[k] = out.get(k, 0.0) + float(v)
+        out.update({k: float(v) for k, v in self._counts.items()})
+        return out
+
+    def worker_pids(self) -> list[int]:
+        return list(self._pids)
+
+    def placement_lines(self) -> list[str]:
+        return [f"rollout worker {i}: pid {p['pid']} on {p['ip']}" + (f", GPUs {p['gpus']}" if p["gpus"] else "")
+                for i, p in enumerate(self.placement)]
+
+    def close(self) -> None:
+        import ray
+
+        with contextlib.suppress(ray.exceptions.RayError):  # a dead worker has nothing left to close
+            ray.get([w.close.remote() for w in self.workers], timeout=60)
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        super().close()
+
+    def _get(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
+        import ray
+
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise ClusterError(f"{what}: not done within {timeout:g} s") from None
+        except ray.exceptions.RayTaskError as e:
+            raise e.cause from None
+
+
+def _position(requests: Sequence[GenerationRequest], request: GenerationRequest, taken: dict[int, Any]) -> int:
+    """Index of the first request equal to `request` not yet taken (results come back as copies)."""
+    for k, r in enumerate(requests):
+        if k not in taken and r == request:
+            return k
+    raise RolloutWorkerError(f"a worker returned a result for an unknown request {request.request_id!r}")
+

@@ -1,0 +1,261 @@
+"""FSDP2 trainer ranks as Ray actors, behind the single-process trainer's interface.
+
+    group = TrainerGroup(cfg, world_size=2, checkpoint_dir=run_dir / "checkpoints")
+    metrics = group.step(groups)                     # like Trainer.step (rank 0's metrics)
+    engine.sync_weights(group.sync_state())          # full merged weights, gathered on rank 0
+    engine.sync_lora(group.lora_adapter())           # or just the adapter (LoRA)
+    checkpoints.save(i, group, group, state)         # group.save(dir): sharded; group.state_dict()
+    checkpoints.restore(latest, group, group)        # any earlier world size
+    group.export(out_dir)                            # one plain HF folder
+    group.close()
+
+Each actor is one rank: it joins a gloo (CPU) or NCCL (GPU) process group whose address is rank 0's
+node and a free port there, builds the policy from the config with the same seed as every other
+rank (identical LoRA init), and shards it with FSDP2 (train/fsdp.py). Every call goes to all ranks
+(the step and the gathers are collective). A rank that dies stops the run: TrainerRankDied names
+the rank and the checkpoint to resume from, and the surviving ranks (stuck in a collective with
+the dead one) are killed rather than left to time out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from sleuth.config import Config
+from sleuth.errors import UserError
+from sleuth.records import Group, LoraAdapter
+
+
+class TrainerRankDied(UserError):
+    """A trainer rank's process died or failed: the run stops (one line: rank and checkpoint)."""
+
+
+class TrainerRank:
+    """One FSDP2 rank (the body of a Ray actor): a sharded Policy and its FSDPTrainer."""
+
+    def __init__(self, cfg: dict[str, Any], rank: int, world_size: int, total_steps: int | None,
+                 max_tokens: int, seed: int, threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(max(1, threads))
+        self.cfg = Config.model_validate(cfg)
+        self.rank, self.world_size = rank, world_size
+        self.total_steps, self.max_tokens, self.seed = total_steps, max_tokens, seed
+        self.policy: Any = None
+        self.trainer: Any = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free TCP port on it (rank 0's is the process group's address)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int, timeout_s: float) -> None:
+        import torch
+
+        from sleuth.train.fsdp import FSDPTrainer, init_distributed
+        from sleuth.train.policy import Policy
+
+        device = init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s)
+        torch.manual_seed(self.seed)  # the same LoRA initialisation on every rank
+        cfg = self.cfg
+        self.policy = Policy.from_config(cfg.model, need_reference=cfg.algorithm.kl_beta > 0, device=device)
+        self.trainer = FSDPTrainer(self.policy, cfg.algorithm, cfg.trainer, total_steps=self.total_steps,
+                                   max_tokens=self.max_tokens)
+
+    def step(self, groups: list[Group]) -> dict[str, float]:
+        return self.trainer.step(groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.load_state_dict(state)
+
+    def save(self, directory: str) -> None:
+        from sleuth.train.fsdp import save_checkpoint
+
+        save_checkpoint(directory, self.policy, self.trainer)
+
+    def load(self, directory: str) -> None:
+        """A sharded checkpoint (weights + optimizer), or a single process's saved weights (the
+        optimizer state of those comes through load_state_dict)."""
+        from sleuth.train.fsdp import is_sharded_checkpoint, load_checkpoint, load_full_weights
+
+        if is_sharded_checkpoint(directory):
+            load_checkpoint(directory, self.policy, self.trainer)
+        else:
+            load_full_weights(directory, self.policy)
+
+    def sync_state(self) -> list[tuple[str, Any]] | None:
+        """Full merged weights (HF names) on rank 0, None elsewhere; collective."""
+        from sleuth.train.fsdp import gathered
+
+        with gathered(self.policy):
+            if self.rank != 0:
+                return None
+            return [(n, t.detach().to("cpu", copy=True)) for n, t in self.policy.sync_state()]
+
+    def lora_adapter(self) -> LoraAdapter | None:
+        """The adapter (sync.lora_adapter) on rank 0, None elsewhere or without LoRA; collective."""
+        from sleuth.sync import lora_adapter
+        from sleuth.train.fsdp import gathered
+
+        if not self.policy.is_lora:
+            return None
+        with gathered(self.policy):
+            if self.rank != 0:
+                return None
+            adapter = lora_adapter(self.policy)
+            tensors = {k: v.to("cpu", copy=True) for k, v in adapter.tensors.items()}
+        return dataclasses.replace(adapter, tensors=tensors)
+
+    def export(self, out_dir: str) -> None:
+        """Rank 0 writes the merged weights as a plain HF folder; collective."""
+        from sleuth.train.fsdp import gathered
+
+        with gathered(self.policy):
+            if self.rank == 0:
+                self.policy.export_merged(out_dir)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TrainerGroup:
+    """`world_size` TrainerRank actors driven together; the loop's trainer (and policy) for FSDP2."""
+
+    def __init__(self, cfg: Config, world_size: int, checkpoint_dir: str | Path | None = None,
+                 total_steps: int | None = None, max_tokens: int | None = None, seed: int | None = None,
+                 cpus_per_worker: float = 1.0, gpus_per_worker: float = 0.0,
+                 node_ids: list[str] | None = None, timeout_s: float = 600.0) -> None:
+        import ray
+
+        if world_size < 1:
+            raise UserError(f"cluster.trainer_workers must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
+        self.is_lora = cfg.model.lora.enabled
+        actor_cls = ray.remote(TrainerRank)
+        cfg_dict = cfg.model_dump(mode="json")
+        self.ranks = []
+        for rank in range(world_size):
+            options: dict[str, Any] = {"num_cpus": cpus_per_worker, "num_gpus": gpus_per_worker,
+                                       "max_restarts": 0, "name": None}
+            if node_ids is not None:
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_ids[rank], soft=False)
+            self.ranks.append(actor_cls.options(**options).remote(
+                cfg_dict, rank, world_size, total_steps if total_steps is not None else cfg.loop.iterations,
+                max_tokens if max_tokens is not None else cfg.rollout.max_tokens,
+                cfg.loop.seed if seed is None else seed, max(1, int(cpus_per_worker))))
+        addr, port = self._all("address", ranks=[0])[0]
+        self._all("setup", addr, port, timeout_s)
+
+    # ------------------------------------------------------------------ the Trainer's interface
+
+    def step(self, groups: list[Group], on_row: Any = None) -> dict[str, float]:
+        """One iteration's update on every rank; rank 0's metrics (they are global sums)."""
+        return self._all("step", groups)[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._all("state_dict", ranks=[0])[0]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._all("load_state_dict", state)
+
+    def save(self, directory: str | Path) -> Path:
+        """The sharded checkpoint (trainable weights + optimizer), each rank writing its shards."""
+        self._all("save", str(directory))
+        return Path(directory)
+
+    def load_weights(self, directory: str | Path) -> None:
+        """Load a checkpoint's weights written by any number of ranks or by one plain process."""
+        self._all("load", str(directory))
+
+    def sync_state(self) -> Iterator[tuple[str, Any]]:
+        """(HF name, tensor) of the full merged weights, gathered on rank 0."""
+        yield from self._all("sync_state")[0]
+
+    def lora_adapter(self) -> LoraAdapter | None:
+        return self._all("lora_adapter")[0]
+
+    def export_merged(self, out_dir: str | Path) -> Path:
+        """A plain HF model folder (rank 0 writes it; the driver and rank 0 share a filesystem)."""
+        self._all("export", str(out_dir))
+        return Path(out_dir)
+
+    def pids(self) -> list[int]:
+        return self._all("pid")
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self.ranks:
+            ray.kill(actor)
+        self.ranks = []
+
+    # ------------------------------------------------------------------ calls and failures
+
+    def _all(self, method: str, *args: Any, ranks: list[int] | None = None) -> list[Any]:
+        """Call `method` on the given ranks (all by default), wait for all; a failure stops the group."""
+        import ray
+
+        which = list(range(self.world_size)) if ranks is None else ranks
+        refs = [getattr(self.ranks[r], method).remote(*args) for r in which]
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+                # A dead rank leaves the others blocked in a collective; let them fail or finish for
+                # a moment so that the rank that died (not one that only lost its peer) is named.
+                ray.wait(pending, num_returns=len(pending), timeout=5.0)
+                self._stop(which, refs, method)
+        return ray.get(refs)
+
+    def _stop(self, which: list[int], refs: list[Any], method: str) -> None:
+        import ray
+
+        dead, failed = [], []
+        for rank, ref in zip(which, refs):
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                dead.append(rank)
+            except ray.exceptions.RayTaskError as e:
+                failed.append((rank, str(e.cause if e.cause is not None else e).strip().splitlines()[-1]))
+        self.close()
+        if dead:
+            what = f"trainer rank {dead[0]} died (its process exited) during {method}"
+        elif failed:
+            what = f"trainer rank {failed[0][0]} failed during {method}: {failed[0][1]}"
+        else:
+            what = f"a trainer rank stopped during {method}"
+        raise TrainerRankDied(f"{what}; the run stopped: {self._resume_hint()}")
+
+    def _resume_hint(self) -> str:
+        from sleuth.checkpoint import CheckpointManager
+
+        latest = None if self.checkpoint_dir is None else CheckpointManager(self.checkpoint_dir).latest()
+        if latest is None:
+            return "no checkpoint was saved yet, so it restarts from the beginning"
+        return f"resume from checkpoint {latest.path} with `sleuth train --resume`"

@@ -1,0 +1,126 @@
+"""The loop on a Ray cluster (loop.py + cluster/): `sleuth train ... cluster.rollout_workers=2` against
+the one-process run with the same seed, with a rollout worker killed by SIGKILL mid-run, and with the
+driver killed by SIGKILL and resumed. The default (one process) never imports Ray."""
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from io import StringIO
+from pathlib import Path
+
+import pytest
+
+from sleuth.cli.train import default_config_path
+from sleuth.config import load_config
+from sleuth.loop import train
+from sleuth.testing.tiny_model import write_tiny_model
+from test_loop import TASK_SOURCE, read_metrics  # the loop tests' tiny task
+
+ITERATIONS = 4
+RAY = ["cluster.rollout_workers=2", "cluster.cpus_per_worker=0.5", "cluster.object_store_gb=0.1"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loop_cluster")
+    tiny = write_tiny_model(root / "tiny")
+    task_file = root / "lowercase_task.py"
+    task_file.write_text(TASK_SOURCE)
+    args = [
+        f"model.path={tiny}", "model.dtype=float32", "model.lora.rank=4", "model.lora.alpha=8",
+        f"task.name={task_file}:problems", "task.verifier_isolation=inline", "loop.evaluate=false",
+        "rollout.engine=hf", "rollout.samples_per_task=4", "rollout.max_tokens=16", "trainer.lr=0.05",
+        f"loop.iterations={ITERATIONS}", "loop.tasks_per_iteration=4", "loop.checkpoint_every=1",
+        "loop.deterministic=true", "logging.tensorboard=false",
+    ]
+    reference = root / "reference"
+    train(load_config(default_config_path(), args), reference, out=StringIO())
+    return root, args, read_metrics(reference)
+
+
+def assert_same_run(got: list[dict], want: list[dict]) -> float:
+    """Per iteration: the same rewards and token counts; losses equal up to float rounding (the
+    engines' logprobs enter the loss through TIS and differ in the last bits between processes).
+    Returns the largest loss difference."""
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in want]
+    worst = 0.0
+    for a, b in zip(got, want):
+        assert (a["rollout/reward_mean"], a["rollout/tokens"]) == (b["rollout/reward_mean"], b["rollout/tokens"])
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-6), a["iteration"]
+        worst = max(worst, abs(a["train/loss"] - b["train/loss"]))
+    return worst
+
+
+class Cli:
+    """`sleuth train` in its own process group (so the Ray processes it starts can be cleaned up),
+    its stdout and stderr read as they come."""
+
+    def __init__(self, args: list[str], cwd: Path) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "sleuth", "train", *args], cwd=cwd, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        for stream, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
+            threading.Thread(target=lambda s=stream, ls=lines: ls.extend(iter(s.readline, "")), daemon=True).start()
+
+    def wait_for(self, pattern: str, timeout: float = 400) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.out + self.err:
+                if m := re.search(pattern, line):
+                    return m
+            if self.proc.poll() is not None:
+                time.sleep(0.5)  # let the readers finish
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r}: {''.join(self.err)[-3000:]}")
+
+    def finish(self, timeout: float = 400) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            # the driver's Ray agents outlive a SIGKILLed driver for a while
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def test_default_run_never_imports_ray(setup, monkeypatch, tmp_path):
+    _, args, _ = setup
+    monkeypatch.setitem(sys.modules, "ray", None)  # any `import ray` now raises ImportError
+    result = train(load_config(default_config_path(), [*args, "loop.iterations=1"]), tmp_path / "run",
+                   out=StringIO())
+    assert result.iterations_done == 1
+
+
+@pytest.mark.slow
+def test_two_rollout_workers_match_one_process_even_when_one_is_killed(setup, tmp_path):
+    _, args, want = setup
+    run = Cli([*args, *RAY, "--out", str(tmp_path / "run")], tmp_path)
+    pid = int(run.wait_for(r"rollout worker 1: pid (\d+)").group(1))
+    run.wait_for(r"^iter 1/")
+    os.kill(pid, signal.SIGKILL)  # during iteration 2 (generation, or the step before its sync)
+    assert run.finish() == 0, "".join(run.err)[-3000:]
+    got = read_metrics(tmp_path / "run")
+    assert_same_run(got, want)  # every group of every iteration, the same samples
+    assert got[-1]["rollout/worker_restarts"] == 1
+    assert got[0]["rollout/worker_restarts"] == 0
+
+
+@pytest.mark.slow
+def test_driver_killed_then_resumed_continues_exactly(setup, tmp_path):
+    _, args, want = setup
+    first = Cli([*args, *RAY, "--out", str(tmp_path / "run")], tmp_path)
+    first.wait_for(r"^iter 2/")
+    os.kill(first.proc.pid, signal.SIGKILL)
+    assert first.finish() == -signal.SIGKILL
+    assert not (tmp_path / "run" / "model").exists()
+    again = Cli(["--resume", str(tmp_path / "run")], tmp_path)
+    assert again.finish() == 0, "".join(again.err)[-3000:]
+    assert_same_run(read_metrics(tmp_path / "run"), want)
