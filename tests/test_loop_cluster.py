@@ -18,19 +18,16 @@ import pytest
 from sleuth.cli.train import default_config_path
 from sleuth.config import load_config
 from sleuth.loop import train
-from sleuth.testing.tiny_model import write_tiny_model
-from test_loop import TASK_SOURCE, read_metrics  # the loop tests' tiny task
+from test_loop import read_metrics
 
 ITERATIONS = 4
 RAY = ["cluster.rollout_workers=2", "cluster.cpus_per_worker=0.5", "cluster.object_store_gb=0.1"]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, tiny_model_dir, lowercase_task):
     root = tmp_path_factory.mktemp("loop_cluster")
-    tiny = write_tiny_model(root / "tiny")
-    task_file = root / "lowercase_task.py"
-    task_file.write_text(TASK_SOURCE)
+    tiny, task_file = tiny_model_dir, lowercase_task  # conftest.py: the loop tests' model and task
     args = [
         f"model.path={tiny}", "model.dtype=float32", "model.lora.rank=4", "model.lora.alpha=8",
         f"task.name={task_file}:problems", "task.verifier_isolation=inline", "loop.evaluate=false",

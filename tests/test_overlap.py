@@ -16,15 +16,12 @@ from sleuth.loop import train
 from sleuth.overlap import drop_stale
 from sleuth.records import Group, Problem
 from sleuth.sampling import Batch
-from sleuth.testing.tiny_model import write_tiny_model
-from test_loop import TASK_SOURCE, _cli, _wait_for, overrides, read_metrics
+from test_loop import _cli, _wait_for, overrides, read_metrics
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("overlap")
-    (root / "lowercase_task.py").write_text(TASK_SOURCE)
-    return write_tiny_model(root / "tiny"), root / "lowercase_task.py"
+def files(tiny_model_dir, lowercase_task):
+    return tiny_model_dir, lowercase_task  # conftest.py: the loop tests' model and task
 
 
 def async_args(tiny, task_file, iterations):
