@@ -28,8 +28,14 @@ from typing import Any
 from sleuth.cluster.runtime import Assignment, GiB, Node, place, worker_specs
 from sleuth.config import Config
 from sleuth.errors import UserError
+from sleuth.hardware import resolve_dtype
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_bytes(cfg: Config) -> int:
+    """Bytes per weight of model.dtype ("auto" as this machine resolves it)."""
+    return DTYPE_BYTES[resolve_dtype(cfg.model.dtype)]
 LOGIT_CHUNK = 1024
 """train/logprobs.py computes float32 logits in chunks of this many tokens."""
 ACTIVATION_FACTOR = 26
@@ -93,7 +99,7 @@ class ModelShape:
 
 def trainer_memory(cfg: Config, shape: ModelShape, world: int) -> dict[str, float]:
     """GiB per trainer rank: params, grads, optimizer, activations (and total)."""
-    b = DTYPE_BYTES[cfg.model.dtype]
+    b = dtype_bytes(cfg)
     lora = cfg.model.lora
     trained = shape.lora_params(lora.rank, lora.target_modules) if lora.enabled else shape.params()
     frozen_copy = shape.params() if cfg.algorithm.kl_beta > 0 and not lora.enabled else 0
@@ -116,7 +122,7 @@ def trainer_memory(cfg: Config, shape: ModelShape, world: int) -> dict[str, floa
 def rollout_memory(cfg: Config, shape: ModelShape, tp: int, device_gb: float | None, engine: str) -> dict[str, float]:
     """GiB per rollout worker, per GPU when it has several (tp): weights, KV cache, total; and the
     tokens the whole KV cache holds."""
-    b = DTYPE_BYTES[cfg.model.dtype]
+    b = dtype_bytes(cfg)
     weights = shape.params() * b / max(tp, 1) / GiB
     if engine == "vllm" and tp > 0 and device_gb:
         kv = max(0.0, cfg.rollout.gpu_memory_utilization * device_gb - weights)
@@ -146,7 +152,7 @@ def plan_lines(cfg: Config, nodes: list[Node], model_folder: Path, engine: str) 
     C = cfg.cluster
     placement = place(worker_specs(C, nodes), nodes)
     lines = [f"model: {shape.params() / 1e9:.2f}B parameters ({shape.layers} layers, hidden {shape.hidden}), "
-             f"{cfg.model.dtype}" + (f", LoRA rank {cfg.model.lora.rank}" if cfg.model.lora.enabled else "")]
+             f"{resolve_dtype(cfg.model.dtype)}" + (f", LoRA rank {cfg.model.lora.rank}" if cfg.model.lora.enabled else "")]
     world = C.trainer_workers
     trainer_on: list[tuple[str, Node | None, float]] = []
     if world == 1:
