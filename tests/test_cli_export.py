@@ -85,4 +85,5 @@ def test_export_adapter_only_matches_the_merged_export(run_dir, tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     ids = torch.tensor([list(range(20, 50))])
     with torch.no_grad():
-        assert torch.allclose(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5, rtol=0)
+        # W + BA merged once vs x@W + (x@B)@A: float32 rounding only (measured 1.4e-5 on logits ~2.4).
+        assert torch.allclose(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4, rtol=0)
