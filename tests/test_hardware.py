@@ -5,7 +5,17 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-from sleuth.hardware import bf16_fast_with, cpu_bf16_fast, cpu_description, cpu_dtype, parse_cpuinfo
+import torch
+
+from sleuth.hardware import (
+    bf16_fast_with,
+    cpu_bf16_fast,
+    cpu_description,
+    cpu_dtype,
+    parse_cpuinfo,
+    resolve_dtype,
+)
+from sleuth.models import load_causal_lm
 
 EPYC_AVX2 = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -50,3 +60,16 @@ def test_description_is_one_line_with_the_verdict() -> None:
     assert ("bf16 matmul fast" in text) == cpu_bf16_fast()
     if not cpu_bf16_fast():
         assert "slow (emulated)" in text
+
+
+def test_resolve_dtype_auto_follows_the_machine(tiny_model_dir: Path) -> None:
+    """Explicit names pass through; auto is bf16 only where it is fast (CUDA with bf16, or a CPU with
+    native bf16), and every loader of model.dtype applies it."""
+    assert resolve_dtype("float32") == "float32" and resolve_dtype("bfloat16") == "bfloat16"
+    if torch.cuda.is_available():
+        expected = "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    else:
+        expected = "bfloat16" if cpu_bf16_fast() else "float32"
+    assert resolve_dtype("auto") == expected
+    model = load_causal_lm(str(tiny_model_dir), "auto")
+    assert next(model.parameters()).dtype == getattr(torch, expected)

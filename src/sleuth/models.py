@@ -196,7 +196,9 @@ def load_causal_lm(path_or_alias: str, dtype: str = "float32", attn_implementati
 
     folder = resolve_model_path(path_or_alias)
     check_model_folder(str(folder))
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    from sleuth.hardware import resolve_dtype
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[resolve_dtype(dtype)]
     try:
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, attn_implementation=attn_implementation,
                                                     **from_pretrained)

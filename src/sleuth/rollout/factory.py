@@ -22,6 +22,9 @@ def make_engine(rollout_cfg: RolloutConfig, model_path: str, dtype: str, seed: i
     model/tokenizer: an already loaded transformers model for the hf engine (e.g. the trainer's,
     so rollouts need no weight sync); ignored by vLLM, which loads model_path itself.
     """
+    from sleuth.hardware import resolve_dtype
+
+    dtype = resolve_dtype(dtype)  # model.dtype=auto: what this machine computes fast
     kind = rollout_cfg.engine
     if kind == "auto":
         kind = "vllm" if vllm_available() else "hf"
