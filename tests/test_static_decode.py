@@ -72,5 +72,5 @@ def test_bad_decode_mode_and_unsupported_attention(model_dir):
     with pytest.raises(UserError, match="hf_decode='fast'"):
         HFEngine(model, tok, decode="fast")
     eager = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
-    with pytest.raises(UserError, match="needs sdpa or sleuth_packed attention"):
+    with pytest.raises(UserError, match="needs shared-prompt decoding, which this model cannot use"):
         HFEngine(eager, tok, decode="static")
