@@ -28,6 +28,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import torch
 
+from sleuth.errors import UserError
 from sleuth.records import LoraAdapter
 from sleuth.rollout.base import RolloutEngine
 from sleuth.train.policy import Policy
@@ -132,6 +133,10 @@ class WeightSync:
         self.mode: SyncMode = mode or choose_mode(policy, engine)
         if self.mode == "adapter" and not policy.is_lora:
             raise ValueError("adapter sync needs a LoRA policy")
+        if self.mode == "full" and not getattr(engine, "full_sync_supported", True):
+            # Refused at start-up rather than after the first training step.
+            raise UserError(f"{type(engine).__name__} cannot take full weight syncs of this model "
+                            "(mixture-of-experts); use rollout.engine=hf")
 
     def push(self) -> SyncStats:
         """Send the policy's current weights (the adapter, or the full merged weights)."""

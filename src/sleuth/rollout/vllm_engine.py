@@ -26,6 +26,7 @@ import os
 import queue
 import shutil
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -76,6 +77,27 @@ class _Call:
     future: Future[Any]
 
 
+_LIVE = [0]
+_LIVE_LOCK = threading.Lock()
+
+
+def _live_engines(change: int) -> None:
+    """Count the in-process vLLM engines; when the last one closes, drop vLLM's process-wide
+    parallel groups. vLLM keeps them in module globals, and an engine started later in the same
+    process would otherwise reuse the first engine's groups (a mixture-of-experts model after a
+    dense one then finds no expert-parallel group and fails to load)."""
+    with _LIVE_LOCK:
+        _LIVE[0] += change
+        if change < 0 and _LIVE[0] == 0:
+            from vllm.distributed.parallel_state import (
+                destroy_distributed_environment,
+                destroy_model_parallel,
+            )
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+
+
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0,
                  context_len: int | None = None, kv_cache_gb: float = 2.0,
@@ -112,6 +134,7 @@ class VLLMEngine(RolloutEngine):
         self._error: BaseException | None = None
         self._wait(self._worker.submit(self._start), "vLLM engine start-up", startup_timeout_s)
         self._loop_future = self._worker.submit(self._loop)
+        _live_engines(+1)
 
     # ------------------------------------------------------------------ start-up
 
@@ -192,7 +215,22 @@ class VLLMEngine(RolloutEngine):
                 f"within {self.timeout_s:g} s (rollout.timeout_s)"
             ) from None
 
+    @property
+    def full_sync_supported(self) -> bool:
+        """Whether merged full weights can be loaded in place. Not for mixture-of-experts models:
+        transformers keeps their experts fused under names vLLM's loaders do not map (measured: the
+        engine's logprobs did not follow the synced weights), so such a run is refused up front."""
+        try:
+            cfg = json.loads((Path(self.model_path) / "config.json").read_text())
+        except (OSError, ValueError):
+            return True
+        cfg = cfg.get("text_config", cfg)
+        return not any(int(cfg.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
     def sync_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        if not self.full_sync_supported:
+            raise UserError(f"the vLLM engine cannot take synced weights of the mixture-of-experts model in "
+                            f"{self.model_path} (fused expert weights); use rollout.engine=hf")
         tensors = list(named_tensors)
         self._call(lambda: self._load(tensors), "weight sync (sync_weights)")
 
@@ -247,6 +285,7 @@ class VLLMEngine(RolloutEngine):
             pass
         if self._lora_dir is not None:
             shutil.rmtree(self._lora_dir, ignore_errors=True)
+        _live_engines(-1)
         super().close()
 
     # ------------------------------------------------------------------ driver thread
