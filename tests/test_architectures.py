@@ -176,26 +176,13 @@ def test_export(arch: str, tmp_path: Path) -> None:
         assert torch.allclose(again.causal_lm(input_ids=ids).logits, want, atol=1e-5, rtol=0)
 
 
-TASK_SOURCE = '''
-def problems(cfg):
-    for i in range(16):
-        yield {"id": f"p{i}", "prompt": f"Write lowercase letters ({i})", "answer": None,
-               "split": "eval" if i < 2 else "train"}
-
-
-def verify(answer, text):
-    return sum("a" <= c <= "z" for c in text) / len(text) if text else 0.0
-'''
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_train(arch: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_train(arch: str, tmp_path: Path, lowercase_task: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = write_tiny_model(tmp_path / "model", arch=arch)
-    (tmp_path / "task.py").write_text(TASK_SOURCE)
     code = sleuth_main([
         "train", "--out", str(tmp_path / "run"), f"model.path={model}", "model.dtype=float32",
-        "model.lora.rank=4", "model.lora.alpha=8", f"task.name={tmp_path / 'task.py'}:problems",
+        "model.lora.rank=4", "model.lora.alpha=8", f"task.name={lowercase_task}:problems",
         "task.eval_size=2", "task.verifier_isolation=inline", "rollout.engine=hf",
         "rollout.samples_per_task=3", "rollout.max_tokens=8", "trainer.lr=0.02", "loop.iterations=2",
         "loop.tasks_per_iteration=2", "loop.eval_every=2", "eval.k=1", "logging.tensorboard=false",
