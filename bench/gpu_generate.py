@@ -21,12 +21,12 @@ import time
 
 import torch
 
+from sleuth.attention import PACKED, register_packed_attention
 from sleuth.hardware import cpu_description, cpu_dtype
 from sleuth.records import SamplingParams
 from sleuth.rollout.base import GenerationRequest
 from sleuth.rollout.hf_engine import HFEngine
 from sleuth.testing.tiny_model import build_model, build_tokenizer
-from sleuth.train.attention import PACKED, register_packed_attention
 
 HBM_BYTES_PER_S = 4.3e12
 

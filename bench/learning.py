@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.checkpoint import CheckpointManager
-from sleuth.evaluate import mean_se
 from sleuth.hardware import cpu_description
+from sleuth.scoring import mean_se
 
 ARMS: dict[str, list[str]] = {
     "default": [],

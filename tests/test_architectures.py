@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sleuth.attention import PACKED, register_packed_attention, special_attention
 from sleuth.cli import main as sleuth_main
 from sleuth.config import AlgorithmConfig, LoraConfig, ModelConfig, TrainerConfig
 from sleuth.errors import UserError
@@ -30,7 +31,6 @@ from sleuth.rollout.base import GenerationRequest
 from sleuth.rollout.hf_engine import HFEngine
 from sleuth.sync import WeightSync
 from sleuth.testing.tiny_model import ARCHITECTURES, WINDOW, build_model, build_tokenizer, write_tiny_model
-from sleuth.train.attention import PACKED, register_packed_attention, special_attention
 from sleuth.train.packing import pack_groups
 from sleuth.train.policy import Policy
 from sleuth.train.step import Trainer

@@ -4,6 +4,7 @@ killed with SIGKILL mid-stream, and the sync timeout."""
 
 import asyncio
 import os
+import signal
 
 import pytest
 import torch
@@ -107,12 +108,16 @@ def test_killed_worker_is_restarted_resynced_and_its_groups_reissued(pool_and_lo
     want = {r.request.request_id: r for r in local.generate_all(reqs)}
     restarts = pool.stats()["worker_restarts"]
     victim = pool.worker_pids()[1]
+    # worker 1 is frozen before the stream starts, so when the first group comes back (from worker 0)
+    # worker 1 certainly still has all its groups in flight; without this a fast worker 1 could
+    # finish its whole share before the kill and the test would see no restart
+    os.kill(victim, signal.SIGSTOP)
 
     async def run():
         out = []
         async for result in pool.stream(reqs):
-            if not out:  # the first group is back: worker 1 still has groups in flight
-                os.kill(victim, 9)
+            if not out:
+                os.kill(victim, signal.SIGKILL)
             out.append(result)
         return out
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from sleuth.attention import PACKED, register_packed_attention
 from sleuth.config import AlgorithmConfig, LoraConfig, ModelConfig, TrainerConfig
 from sleuth.errors import UserError
 from sleuth.records import Completion, Group, Problem
 from sleuth.testing.tiny_model import build_model, build_tokenizer
 from sleuth.train.advantages import compute_advantages
-from sleuth.train.attention import PACKED, register_packed_attention
 from sleuth.train.packing import loss_mask, pack_groups
 from sleuth.train.policy import Policy
 from sleuth.train.step import METRIC_KEYS, SelfCheckError, Trainer, _PassCache

@@ -6,13 +6,13 @@ from collections.abc import Iterable
 
 import torch
 
+from sleuth.attention import PACKED, register_packed_attention
 from sleuth.config import LoraConfig, ModelConfig
 from sleuth.records import LoraAdapter
 from sleuth.rollout.base import RolloutEngine
 from sleuth.rollout.hf_engine import HFEngine
 from sleuth.sync import InProcessTransport, WeightSync, choose_mode, lora_adapter, pack_buckets, unpack
 from sleuth.testing.tiny_model import build_model, build_tokenizer
-from sleuth.train.attention import PACKED, register_packed_attention
 from sleuth.train.policy import Policy
 
 

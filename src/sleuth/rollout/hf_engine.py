@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from sleuth.attention import PACKED, register_packed_attention, special_attention
 from sleuth.errors import UserError
 from sleuth.records import FinishReason, LoraAdapter
 from sleuth.rollout.base import (
@@ -39,7 +40,6 @@ from sleuth.rollout.base import (
 )
 from sleuth.rollout.shared_prefix import SharedPrefixCache
 from sleuth.rollout.static_decode import DecodeGraph, StaticSharedCache
-from sleuth.train.attention import PACKED, register_packed_attention, special_attention
 
 DEFAULT_MAX_ROWS = 64
 """Rows (samples) decoded together when rollout.max_concurrency is not set."""

@@ -14,7 +14,7 @@ Queries of a group's rows are stacked so the prompt block is one matmul per grou
 
 The cache object implements the small part of the transformers Cache interface that a decoder
 forward uses (update, get_seq_length); the attention itself reaches the model's layers through
-the `attention_override` forward keyword of sleuth's registered attention (train/attention.py).
+the `attention_override` forward keyword of sleuth's registered attention (sleuth/attention.py).
 Inference only (no autograd), decode steps of one token per row only.
 """
 

@@ -30,12 +30,12 @@ import httpx
 
 from sleuth.config import TaskConfig
 from sleuth.errors import ConfigError
-from sleuth.evaluate import mean_se
 from sleuth.gateway.app import Gateway, GatewayServer
 from sleuth.gateway.trajectories import EpisodeOutcome, episode_group
 from sleuth.metrics import prefixed
 from sleuth.records import Group, Problem, SamplingParams
 from sleuth.rollout.base import RolloutEngine
+from sleuth.scoring import mean_se
 from sleuth.tasks.base import Task
 
 RolloutFn = Callable[[Any, dict[str, Any]], Awaitable[Any]]
