@@ -7,8 +7,11 @@
 (2) Gateway overhead per call: the same request sent directly to an engine (`engine.generate`) and
     through the gateway with the real `openai` client over HTTP, paired call by call; overhead =
     gateway - direct. With a scripted engine (replies at no model cost, so the difference is all
-    HTTP, request checks, chat template, tokenization, tool parsing and episode bookkeeping), on
-    multi-turn calls: turn t of an 8-turn episode whose environment turns are ~300 tokens each.
+    client library, HTTP, request checks, chat template, tokenization, tool parsing and episode
+    bookkeeping), on multi-turn calls: turn t of an 8-turn episode whose environment turns are ~300
+    tokens each. The openai client alone (the same call answered by a canned response in-process)
+    is timed too: what the library costs is the same against any OpenAI-compatible server, so the
+    gateway's share is openai - client alone - direct.
 (3) Throughput: 64 concurrent episodes of examples/guess_number.py (4 calls each, 16 tokens per
     call) through the gateway on the tiny model with the transformers engine, against generating
     the same number of calls directly (same prompts, one request per call, all concurrent).
@@ -18,13 +21,14 @@ Last line: `name=value` pairs.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+import httpx
 import openai
 
 from sleuth.config import TaskConfig
@@ -33,7 +37,7 @@ from sleuth.gateway.episodes import last_sampled_run
 from sleuth.hardware import cpu_description
 from sleuth.records import SamplingParams
 from sleuth.rollout.base import GenerationRequest
-from sleuth.tasks.episodes import EpisodeRunner, SharedHTTP
+from sleuth.tasks.episodes import EpisodeRunner, SharedHTTP, run_loop
 from sleuth.testing.scripted import ScriptedEngine
 from sleuth.testing.tiny_model import build_tokenizer, write_tiny_model
 
@@ -47,49 +51,54 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def overhead(calls: int) -> tuple[list[float], list[float]]:
-    """Paired (direct, gateway) seconds per call over multi-turn episodes with a scripted engine."""
+def overhead(calls: int) -> dict[str, list[float]]:
+    """Seconds per call over multi-turn episodes with a scripted engine, paired call by call:
+    `direct` (engine.generate), `openai` (the real client through the gateway over HTTP), `httpx`
+    (the same request as plain JSON, stateless route) and `client` (the openai client alone against
+    a canned response, no server: what the client library itself costs, any server's floor). The
+    gateway serves on the episodes' event loop, as EpisodeRunner runs it."""
     tok = build_tokenizer()
     reply = "I will look at rows 3 and 7 next, then decide. " * 2
     engine = ScriptedEngine(tok, [reply], context_len=32768)
     gateway = Gateway(engine, tok, SamplingParams(max_tokens=200))
-    direct, through = [], []
-    cpu = {"direct": 0.0, "gateway": 0.0, "raw": 0.0}
-    raw: list[float] = []
-    with GatewayServer(gateway) as server:
+    times: dict[str, list[float]] = {k: [] for k in ("direct", "openai", "httpx", "client")}
+    cpu = dict.fromkeys(times, 0.0)
+    server = GatewayServer(gateway)
+    canned: dict[str, bytes] = {}
+    mock = httpx.AsyncClient(transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, content=canned["body"], headers={"content-type": "application/json"})))
 
-        async def run() -> None:
-            async with SharedHTTP.open() as http:
-                while len(through) < calls:
-                    ep = gateway.store.open(SamplingParams(max_tokens=200, seed=0))
-                    client = openai.AsyncOpenAI(base_url=server.url(ep.id), api_key="x", http_client=http,
-                                                max_retries=0)
-                    messages = [{"role": "user", "content": "Investigate the table. " + ENV_TEXT}]
-                    for _ in range(TURNS):
-                        t, c = time.perf_counter(), time.process_time()
-                        r = await client.chat.completions.create(model="policy", messages=messages)
-                        through.append(time.perf_counter() - t)
-                        cpu["gateway"] += time.process_time() - c
-                        prompt = engine.prompts[-1]
-                        # the same request as plain JSON over httpx (no openai client), stateless route
-                        t, c = time.perf_counter(), time.process_time()
-                        await http.post(server.url() + "/chat/completions", json={"messages": messages})
-                        raw.append(time.perf_counter() - t)
-                        cpu["raw"] += time.process_time() - c
-                        t, c = time.perf_counter(), time.process_time()
-                        await engine.generate(GenerationRequest(prompt, 1, SamplingParams(max_tokens=200)))
-                        direct.append(time.perf_counter() - t)
-                        cpu["direct"] += time.process_time() - c
-                        messages += [{"role": "assistant", "content": r.choices[0].message.content},
-                                     {"role": "user", "content": ENV_TEXT}]
-                    gateway.store.close(ep.id)
+    async def timed(key: str, call: Any) -> Any:
+        t, c = time.perf_counter(), time.process_time()
+        out = await call
+        times[key].append(time.perf_counter() - t)
+        cpu[key] += time.process_time() - c
+        return out
 
-        asyncio.run(run())
-    n = len(through)
-    print(f"    CPU time of this process (client + server threads) per call: direct {cpu['direct'] / n * 1e3:.2f} ms, "
-          f"through the gateway with the openai client {cpu['gateway'] / n * 1e3:.2f} ms, with plain httpx "
-          f"{cpu['raw'] / n * 1e3:.2f} ms (wall median {statistics.median(raw) * 1e3:.2f} ms)", flush=True)
-    return direct[:calls], through[:calls]
+    async def run() -> None:
+        async with server.serving(), SharedHTTP.open() as http:
+            offline = openai.AsyncOpenAI(base_url="http://canned/v1", api_key="x", http_client=mock, max_retries=0)
+            while len(times["openai"]) < calls:
+                ep = gateway.store.open(SamplingParams(max_tokens=200, seed=0))
+                client = openai.AsyncOpenAI(base_url=server.url(ep.id), api_key="x", http_client=http,
+                                            max_retries=0)
+                messages = [{"role": "user", "content": "Investigate the table. " + ENV_TEXT}]
+                for _ in range(TURNS):
+                    r = await timed("openai", client.chat.completions.create(model="policy", messages=messages))
+                    prompt = engine.prompts[-1]
+                    raw = await timed("httpx", http.post(server.url() + "/chat/completions", json={"messages": messages}))
+                    canned["body"] = raw.content
+                    await timed("client", offline.chat.completions.create(model="policy", messages=messages))
+                    await timed("direct", engine.generate(GenerationRequest(prompt, 1, SamplingParams(max_tokens=200))))
+                    messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                                 {"role": "user", "content": ENV_TEXT}]
+                gateway.store.close(ep.id)
+
+    run_loop(run())  # the loop EpisodeRunner runs episodes on
+    n = len(times["openai"])
+    print("    CPU time per call (client and server share this process's one event loop): " +
+          ", ".join(f"{k} {v / n * 1e3:.2f} ms" for k, v in cpu.items()), flush=True)
+    return {k: v[:calls] for k, v in times.items()}
 
 
 def throughput(episodes: int, model_dir: Path) -> dict[str, float]:
@@ -124,16 +133,20 @@ def throughput(episodes: int, model_dir: Path) -> dict[str, float]:
             "gateway_s": gateway_s, "direct_s": direct_s}
 
 
-def report_overhead(calls: int) -> tuple[float, float]:
-    direct, through = overhead(calls)
-    diffs = [g - d for g, d in zip(through, direct, strict=True)]
+def report_overhead(calls: int) -> tuple[float, float, float]:
+    t = overhead(calls)
+    diffs = [g - d for g, d in zip(t["openai"], t["direct"], strict=True)]
+    gateway = [g - c - d for g, c, d in zip(t["openai"], t["client"], t["direct"], strict=True)]
     med, p99 = statistics.median(diffs) * 1e3, percentile(diffs, 0.99) * 1e3
     print(f"(2) gateway overhead per call, {len(diffs)} calls (turns 1..{TURNS} of episodes with ~300-token "
-          "environment turns), scripted engine:")
-    print(f"    direct engine call  median {statistics.median(direct) * 1e3:7.2f} ms", flush=True)
-    print(f"    through the gateway median {statistics.median(through) * 1e3:7.2f} ms", flush=True)
-    print(f"    overhead            median {med:7.2f} ms   p99 {p99:7.2f} ms   (target: median < 5 ms)", flush=True)
-    return med, p99
+          "environment turns), scripted engine, server on the episodes' event loop:")
+    for key, label in (("direct", "direct engine call"), ("openai", "openai client through the gateway"),
+                       ("httpx", "plain httpx through the gateway"), ("client", "openai client alone (canned reply)")):
+        print(f"    {label:36s} median {statistics.median(t[key]) * 1e3:7.2f} ms", flush=True)
+    print(f"    overhead (openai - direct)           median {med:7.2f} ms   p99 {p99:7.2f} ms", flush=True)
+    print(f"    the gateway's share (openai - client alone - direct): median {statistics.median(gateway) * 1e3:.2f} ms"
+          f"   p99 {percentile(gateway, 0.99) * 1e3:.2f} ms   (target: median < 5 ms)", flush=True)
+    return med, p99, statistics.median(gateway) * 1e3
 
 
 def main() -> None:
@@ -155,11 +168,11 @@ def main() -> None:
     else:
         print("(1) prefix-tree packing vs one sequence per call: not run (--parts 1,2,3 runs it)", flush=True)
 
-    med = p99 = float("nan")
+    med = p99 = share = float("nan")
     if "2" in parts:
-        med, p99 = report_overhead(args.calls)
+        med, p99, share = report_overhead(args.calls)
     if "3" not in parts:
-        print(f"{tree}overhead_median_ms={med:.2f} overhead_p99_ms={p99:.2f}")
+        print(f"{tree}overhead_median_ms={med:.2f} overhead_p99_ms={p99:.2f} gateway_share_median_ms={share:.2f}")
         return
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -169,7 +182,8 @@ def main() -> None:
           f"= {tp['episodes'] / tp['gateway_s']:.2f} episodes/s, {tp['calls'] / tp['gateway_s']:.1f} calls/s, "
           f"{tp['sampled_tokens'] / tp['gateway_s']:.0f} tokens/s; the same calls made directly (all at once, "
           f"no turn-by-turn waiting): {tp['direct_s']:.1f} s")
-    print(f"{tree}overhead_median_ms={med:.2f} overhead_p99_ms={p99:.2f} episodes_per_s={tp['episodes'] / tp['gateway_s']:.3f} "
+    print(f"{tree}overhead_median_ms={med:.2f} overhead_p99_ms={p99:.2f} gateway_share_median_ms={share:.2f} "
+          f"episodes_per_s={tp['episodes'] / tp['gateway_s']:.3f} "
           f"calls_per_s={tp['calls'] / tp['gateway_s']:.2f} direct_s={tp['direct_s']:.2f} gateway_s={tp['gateway_s']:.2f}")
 
 

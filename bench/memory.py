@@ -7,6 +7,14 @@ resident set (/proc/self/status VmRSS) every 50 ms, attributing each sample to t
 model load, engine start, evaluation, rollout + scoring, training step, weight sync. Prints a table, the
 per-iteration times, and one `name=value` line. Peak RSS of the whole process is also measured by
 `/usr/bin/time -v` in docs/benchmarks.md; this script says which stage reaches it.
+
+    .venv/bin/python bench/memory.py --step ROW_TOKENS [--steps 3]
+
+The training step alone, in a fresh process: the default's policy (SmolLM2, LoRA r=16, model.dtype
+auto) and three Trainer.step calls on default-shaped groups (4 groups x 8 completions, prompt 420
+tokens, completions 64 tokens, random ids) packed into rows of ROW_TOKENS; prints each step's time
+and resident set after it, and the process's peak (ru_maxrss). Run it under different glibc malloc
+settings (e.g. MALLOC_MMAP_THRESHOLD_=262144) to compare allocators.
 """
 
 from __future__ import annotations
@@ -78,7 +86,45 @@ class StageMeter:
         self._thread.join()
 
 
+def step_only(row_tokens: int, steps: int) -> None:
+    """Trainer steps alone on default-shaped groups: time and resident memory."""
+    import resource
+
+    from sleuth.config import AlgorithmConfig, LoraConfig, ModelConfig, TrainerConfig
+    from sleuth.hardware import resolve_dtype
+    from sleuth.models import SMOLLM2_ALIAS, resolve_model_path
+    from sleuth.train.policy import Policy
+    from sleuth.train.step import Trainer
+    from train_step import make_groups  # bench/train_step.py: the same random-id groups
+
+    print(f"# cpu: {cpu_description()}", flush=True)
+    print(f"# MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', '-')} "
+          f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '-')}", flush=True)
+    model_cfg = ModelConfig(path=str(resolve_model_path(SMOLLM2_ALIAS)), dtype=resolve_dtype("auto"),
+                            lora=LoraConfig(enabled=True, rank=16, alpha=32))
+    policy = Policy.from_config(model_cfg, False, "cpu")
+    trainer = Trainer(policy, AlgorithmConfig(), TrainerConfig(lr=3e-4, row_tokens=row_tokens), max_tokens=64)
+    base = rss_bytes()
+    groups = make_groups(4, 420, 64, policy.causal_lm.config.vocab_size, 0)
+    times = []
+    print("| step | s | rows | RSS after GB |")
+    print("|---|---|---|---|")
+    for i in range(steps):
+        start = time.perf_counter()
+        metrics = trainer.step(groups)
+        times.append(time.perf_counter() - start)
+        print(f"| {i} | {times[-1]:.1f} | {metrics['rows']:.0f} | {rss_bytes() / GB:.2f} |", flush=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    later = times[1:] or times
+    print(f"step_peak_rss_gb={peak / GB:.2f} base_rss_gb={base / GB:.2f} step_s={sum(later) / len(later):.1f}")
+
+
 def main() -> None:
+    if "--step" in sys.argv:
+        at = sys.argv.index("--step")
+        steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 3
+        step_only(int(sys.argv[at + 1]), steps)
+        return
     overrides = ["loop.iterations=2", *sys.argv[1:]]
     print(f"# cpu: {cpu_description()}", flush=True)
     print(f"# overrides: {' '.join(overrides)}; MALLOC_ARENA_MAX={os.environ.get('MALLOC_ARENA_MAX', '-')}",

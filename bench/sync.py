@@ -5,7 +5,10 @@
 For each path it builds the engine the loop would (vLLM: rollout.native_lora on for the adapter
 path, off for the full path; hf: the same engine does both), moves the policy's LoRA B away from
 zero (a trained adapter), and times sleuth.sync.WeightSync.push() `reps` times. It checks that the
-engine then generates what the trainer's merged weights predict (greedy tokens equal across paths).
+engine then generates what the trainer's merged weights predict (greedy tokens equal across paths),
+and times one default-sized rollout on that engine (4 prompts of 830 random token ids x 8 samples x
+64 tokens at temperature 0.7, seeded): serving the adapter (vLLM's LoRA layers) may cost more per
+generated token than merged weights, which is what decides the default path.
 Prints a table and one `name=value` line.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -41,8 +45,19 @@ def trained_policy(folder: str) -> Policy:
     return policy
 
 
-def run_path(engine_kind: str, mode: str, folder: str, policy: Policy, reps: int) -> tuple[list[float], int, list[int]]:
-    cfg = RolloutConfig(engine=engine_kind, native_lora=mode == "adapter", kv_cache_gb=0.5, max_model_len=1024)
+def rollout_seconds(engine: object, vocab: int) -> tuple[float, int]:
+    """Seconds and sampled tokens of one default-sized rollout (see the module doc)."""
+    gen = torch.Generator().manual_seed(1)
+    reqs = [GenerationRequest(torch.randint(100, vocab, (830,), generator=gen).tolist(), 8,
+                              SamplingParams(temperature=0.7, max_tokens=64, seed=10 + j), f"g{j}") for j in range(4)]
+    start = time.perf_counter()
+    out = engine.generate_all(reqs)  # type: ignore[attr-defined]
+    return time.perf_counter() - start, sum(len(s.token_ids) for r in out for s in r.samples)
+
+
+def run_path(engine_kind: str, mode: str, folder: str, policy: Policy,
+             reps: int) -> tuple[list[float], int, list[int], tuple[float, int]]:
+    cfg = RolloutConfig(engine=engine_kind, native_lora=mode == "adapter", kv_cache_gb=1.0, max_model_len=1024)
     engine = make_engine(cfg, folder, "float32", seed=0)
     try:
         sync = WeightSync(policy, engine, mode=mode)  # type: ignore[arg-type]
@@ -53,7 +68,8 @@ def run_path(engine_kind: str, mode: str, folder: str, policy: Policy, reps: int
             moved = stats.bytes
         ids = policy.tokenizer("The capital of France is")["input_ids"]
         out = engine.generate_all([GenerationRequest(ids, 1, SamplingParams(temperature=0.0, max_tokens=12))])
-        return times, moved, out[0].samples[0].token_ids
+        rollout = rollout_seconds(engine, policy.causal_lm.config.vocab_size)
+        return times, moved, out[0].samples[0].token_ids, rollout
     finally:
         engine.close()
 
@@ -67,19 +83,21 @@ def main() -> None:
     print(f"# cpu: {cpu_description()}", flush=True)
     folder = str(resolve_model_path(a.model))
     policy = trained_policy(folder)
-    rows, tokens = {}, {}
+    rows, tokens, rollouts = {}, {}, {}
     for mode in ("full", "adapter"):
-        times, moved, tokens[mode] = run_path(a.engine, mode, folder, policy, a.reps)
+        times, moved, tokens[mode], rollouts[mode] = run_path(a.engine, mode, folder, policy, a.reps)
         rows[mode] = (statistics.median(times), min(times), moved)
     print(f"{a.model} float32, LoRA r=16 all-linear, engine {a.engine}, {a.reps} syncs per path")
-    print("| path | bytes moved | median s | best s |")
-    print("|---|---|---|---|")
+    print("| path | bytes moved | sync median s | sync best s | rollout s (tokens) | sync + rollout s |")
+    print("|---|---|---|---|---|---|")
     for mode, (med, best, moved) in rows.items():
-        print(f"| {mode} | {moved / 1e6:.1f} MB | {med:.3f} | {best:.3f} |")
+        gen_s, gen_tokens = rollouts[mode]
+        print(f"| {mode} | {moved / 1e6:.1f} MB | {med:.3f} | {best:.3f} | {gen_s:.1f} ({gen_tokens}) | {med + gen_s:.1f} |")
     same = tokens["full"] == tokens["adapter"]
     print(f"greedy tokens after sync equal across paths: {same}")
     print(f"full_s={rows['full'][0]:.3f} adapter_s={rows['adapter'][0]:.3f} "
-          f"full_mb={rows['full'][2] / 1e6:.1f} adapter_mb={rows['adapter'][2] / 1e6:.2f} same_tokens={int(same)}")
+          f"full_mb={rows['full'][2] / 1e6:.1f} adapter_mb={rows['adapter'][2] / 1e6:.2f} same_tokens={int(same)} "
+          f"rollout_full_s={rollouts['full'][0]:.1f} rollout_adapter_s={rollouts['adapter'][0]:.1f}")
 
 
 if __name__ == "__main__":

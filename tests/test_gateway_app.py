@@ -118,3 +118,30 @@ def test_episode_limits(served):
     gateway.store.close(episode.id)
     with pytest.raises(openai.NotFoundError):
         call(server, episode.id, messages=MSG)
+
+
+def test_serving_on_the_callers_event_loop(served):
+    """GatewayServer.serving(): the same API on the running loop, the run's signal handlers kept,
+    and the port closed when the block ends."""
+    import signal
+
+    gateway, _ = served
+    server = GatewayServer(gateway)
+    handler = signal.getsignal(signal.SIGTERM)
+
+    async def go():
+        before = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+        async with server.serving():
+            port = server.port
+            assert port != 0 and [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == before
+            episode = gateway.store.open(SamplingParams(max_tokens=4, seed=3))
+            async with openai.AsyncOpenAI(base_url=server.url(episode.id), api_key="x", max_retries=0) as client:
+                r = await client.chat.completions.create(model="policy", messages=MSG, max_tokens=4)
+            assert len(gateway.store.close(episode.id).turns) == 1
+        return port, r
+
+    port, r = asyncio.run(go())
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert signal.getsignal(signal.SIGTERM) is handler
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)

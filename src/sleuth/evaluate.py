@@ -188,14 +188,14 @@ def evaluate_episodes(runner: Any, problems: Sequence[Problem], k: int, sampling
     start = time.perf_counter()
 
     async def run_all() -> list[list[Any]]:
-        from sleuth.tasks.episodes import SharedHTTP
-
-        async with SharedHTTP.open() as http:
+        async with runner.session() as http:
             per = [asyncio.gather(*(runner.episode(p, seed + 4096 * j + i, sampling, http) for i in range(k)))
                    for j, p in enumerate(problems)]
             return [list(o) for o in await asyncio.gather(*per)]
 
-    outcomes = asyncio.run(run_all())
+    from sleuth.tasks.episodes import run_loop
+
+    outcomes = run_loop(run_all())
     rewards, keys, tokens, records = [], [], [], []
     for p, per in zip(problems, outcomes, strict=True):
         rewards.append([o.reward for o in per])

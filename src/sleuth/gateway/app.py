@@ -1,4 +1,4 @@
-"""sleuth's OpenAI-compatible gateway: FastAPI on uvicorn, served from a RolloutEngine.
+"""sleuth's OpenAI-compatible gateway: Starlette on uvicorn, served from a RolloutEngine.
 
     gateway = Gateway(engine, tokenizer, SamplingParams(max_tokens=256))
     with GatewayServer(gateway) as server:               # 127.0.0.1, a free port
@@ -15,14 +15,16 @@ failure), never a traceback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from sleuth.errors import UserError
 from sleuth.gateway.episodes import (
@@ -158,8 +160,10 @@ def _tools_key(request: ChatRequest) -> str:
 
 
 def build_app(gateway: Gateway) -> Any:
-    """The FastAPI application of a Gateway."""
-    app = FastAPI(title="sleuth gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    """The ASGI application of a Gateway (Starlette: the routes take raw requests and return JSON
+    bodies we build, so FastAPI's validation layer would only add time to every call)."""
+    from starlette.applications import Starlette
+    from starlette.routing import Route
 
     def error(e: GatewayError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
@@ -171,7 +175,8 @@ def build_app(gateway: Gateway) -> Any:
                                code="episode_not_found")
         return episode
 
-    async def complete(request: Request, episode_id: str | None) -> JSONResponse:
+    async def complete(request: Request) -> JSONResponse:
+        episode_id = request.path_params.get("episode_id")
         try:
             episode = episode_of(episode_id) if episode_id is not None else None
             try:
@@ -184,35 +189,25 @@ def build_app(gateway: Gateway) -> Any:
         except Exception as e:  # an engine failure: one line, never a traceback
             return error(GatewayError(500, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
 
-    def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": gateway.model_name, "object": "model", "created": 0,
-                                            "owned_by": "sleuth"}]}
+    async def models(request: Request) -> JSONResponse:
+        episode_id = request.path_params.get("episode_id")
+        if episode_id is not None:
+            try:
+                episode_of(episode_id)
+            except GatewayError as e:
+                return error(e)
+        return JSONResponse({"object": "list", "data": [{"id": gateway.model_name, "object": "model",
+                                                         "created": 0, "owned_by": "sleuth"}]})
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> JSONResponse:
-        return await complete(request, None)
-
-    @app.post("/e/{episode_id}/v1/chat/completions")
-    async def episode_chat(episode_id: str, request: Request) -> JSONResponse:
-        return await complete(request, episode_id)
-
-    @app.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
-        return models()
-
-    @app.get("/e/{episode_id}/v1/models")
-    async def episode_models(episode_id: str) -> Any:
-        try:
-            episode_of(episode_id)
-        except GatewayError as e:
-            return error(e)
-        return models()
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+    async def http_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
         return error(GatewayError(exc.status_code, str(exc.detail)))
 
-    return app
+    routes = [Route("/v1/chat/completions", complete, methods=["POST"]),
+              Route("/e/{episode_id}/v1/chat/completions", complete, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/e/{episode_id}/v1/models", models, methods=["GET"])]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
 
 
 class GatewayServer:
@@ -244,7 +239,37 @@ class GatewayServer:
 
     def stop(self) -> None:
         self._server.should_exit = True
-        self._thread.join(timeout=10)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=10)
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[GatewayServer]:
+        """Serve on the running event loop instead of a thread, for as long as the block runs.
+
+        Episodes and the server then share one loop: a call goes from the client to the server and
+        back with no thread hand-off and no contention for the GIL between two busy threads (the
+        rollout engine's thread is the third). Every block listens on a new port (port 0)."""
+        import uvicorn
+
+        class InLoopServer(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield  # on the main thread uvicorn would take SIGINT/SIGTERM from the run's own handler
+
+        server = InLoopServer(self._server.config)
+        task = asyncio.ensure_future(server.serve())
+        while not server.started:
+            if task.done():
+                task.result()  # its exception, if any
+                raise UserError(f"the gateway could not listen on {self.host}:{self.port} (port in use?)")
+            await asyncio.sleep(0.005)
+        previous, self.port = self.port, server.servers[0].sockets[0].getsockname()[1]
+        try:
+            yield self
+        finally:
+            server.should_exit = True
+            await task
+            self.port = previous
 
     def __enter__(self) -> GatewayServer:
         return self.start()

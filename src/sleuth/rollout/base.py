@@ -77,9 +77,10 @@ def check_request(request: GenerationRequest, context_len: int, vocab_size: int)
         raise UserError(f"rollout request {rid}: top_p must be in (0, 1], got {s.top_p}")
     if any(not stop for stop in s.stop):
         raise UserError(f"rollout request {rid}: empty stop string")
-    bad = [t for t in request.prompt_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise UserError(f"rollout request {rid}: token id {bad[0]} outside the vocabulary (0..{vocab_size - 1})")
+    ids = request.prompt_ids
+    if min(ids) < 0 or max(ids) >= vocab_size:  # two C-level passes: multi-turn prompts run to thousands of ids
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise UserError(f"rollout request {rid}: token id {bad} outside the vocabulary (0..{vocab_size - 1})")
     if len(request.prompt_ids) >= context_len:
         raise UserError(
             f"rollout request {rid}: prompt of {len(request.prompt_ids)} tokens leaves no room in the "

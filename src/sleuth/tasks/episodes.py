@@ -24,7 +24,7 @@ import math
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -39,6 +39,7 @@ from sleuth.scoring import mean_se
 from sleuth.tasks.base import Task
 
 RolloutFn = Callable[[Any, dict[str, Any]], Awaitable[Any]]
+_T = TypeVar("_T")
 
 
 def find_rollout(cfg: TaskConfig, task: Task) -> RolloutFn | None:
@@ -81,6 +82,18 @@ def _reward_of(value: Any) -> tuple[float, dict[str, float]]:
     return float(value), {str(k): float(v) for k, v in metrics.items() if isinstance(v, int | float)}
 
 
+def run_loop(main: Awaitable[_T]) -> _T:
+    """Run a batch of episodes (and the gateway serving them, EpisodeRunner.session) to completion
+    on a fresh event loop: uvloop where installed (its sockets and callbacks cost less per gateway
+    call; docs/benchmarks.md, "agent"), else asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)  # type: ignore[arg-type]
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)  # type: ignore[arg-type]
+
+
 class SharedHTTP(httpx.AsyncClient):
     """One HTTP connection pool for a batch of episodes' clients; a client's close() leaves it open."""
 
@@ -106,7 +119,17 @@ class EpisodeRunner:
         self.cfg = cfg
         self.sampling = sampling
         self.gateway = Gateway(engine, tokenizer, sampling)
-        self.server = GatewayServer(self.gateway).start()
+        self.server = GatewayServer(self.gateway)  # serves on the episodes' own loop (session())
+
+    @contextlib.asynccontextmanager
+    async def session(self) -> AsyncIterator[SharedHTTP]:
+        """The gateway served on the running event loop, and one HTTP pool for a batch of episodes.
+
+        The episodes' calls and the server's answers share the loop: no thread hand-off per call,
+        and no GIL contention between a client thread and a server thread (measured in
+        docs/benchmarks.md, "agent")."""
+        async with self.server.serving(), SharedHTTP.open() as http:
+            yield http
 
     @property
     def token_budget(self) -> int:
@@ -114,8 +137,8 @@ class EpisodeRunner:
 
     async def episode(self, problem: Problem, seed: int | None, sampling: SamplingParams | None = None,
                       http: Any = None) -> EpisodeOutcome:
-        """One episode; never raises for what the episode function does. `http`: a SharedHTTP of
-        the running event loop (one per batch of episodes: each client's own costs ~0.25 s)."""
+        """One episode; never raises for what the episode function does. Runs inside session(),
+        whose SharedHTTP is `http` (one per batch of episodes: each client's own costs ~0.25 s)."""
         import openai
 
         ep = self.gateway.store.open(replace(sampling or self.sampling, seed=seed), self.cfg.max_turns,
@@ -145,10 +168,10 @@ class EpisodeRunner:
             return list(out)
 
         async def everything() -> list[list[EpisodeOutcome]]:
-            async with SharedHTTP.open() as http:
+            async with self.session() as http:
                 return list(await asyncio.gather(*(one_problem(j, p, http) for j, p in enumerate(problems))))
 
-        outcomes = asyncio.run(everything())
+        outcomes = run_loop(everything())
         failed = [o for per in outcomes for o in per if o.status != "ok"]
         if failed:  # scored 0 and counted; the first reason shown so a broken agent is noticed
             print(f"sleuth: {len(failed)} of {sum(map(len, outcomes))} episodes failed (scored 0); first: "
