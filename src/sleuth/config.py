@@ -227,7 +227,8 @@ class RolloutConfig(Section):
     native_lora: bool = False
     """vLLM: serve the LoRA adapter with vLLM's own LoRA support (CPU and GPU) instead of syncing
     merged full weights. The hf engine always applies the adapter itself; with LoRA on an engine that
-    serves adapters only the adapter moves each iteration (sleuth.sync)."""
+    serves adapters only the adapter moves each iteration (sleuth.sync). Off on CPU: there vLLM's
+    LoRA layers generate ~11x slower than merged weights (docs/benchmarks.md, "sync")."""
 
 
 class AlgorithmConfig(Section):
