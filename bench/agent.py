@@ -114,13 +114,10 @@ def throughput(episodes: int, model_dir: Path) -> dict[str, float]:
                      episode_timeout_s=3600)
     runner = EpisodeRunner(guess_number.rollout, engine, engine.tokenizer, cfg, SamplingParams(max_tokens=16))
     problems = [Problem(f"p{j}", [{"role": "user", "content": guess_number.PROMPT}], 37 + j) for j in range(8)]
-    try:
-        runner.run(problems[:1], 2, seed=99)  # warm-up
-        t = time.perf_counter()
-        _groups, outcomes = runner.run(problems, episodes // len(problems), seed=0)
-        gateway_s = time.perf_counter() - t
-    finally:
-        runner.close()
+    runner.run(problems[:1], 2, seed=99)  # warm-up
+    t = time.perf_counter()
+    _groups, outcomes = runner.run(problems, episodes // len(problems), seed=0)
+    gateway_s = time.perf_counter() - t
     calls = [turn.ids[:len(turn.ids) - last_sampled_run(turn.mask)] for per in outcomes for o in per
              for turn in o.episode.turns]
     sampled = sum(o.episode.sampled_tokens for per in outcomes for o in per)

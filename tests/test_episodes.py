@@ -65,10 +65,7 @@ def test_failing_episodes_score_zero_and_are_counted(user_task):
     task = build_task(cfg)
     problems = [Problem("p", [{"role": "user", "content": "x"}], 2)]
     runner = runner_for(cfg, task, ["ok", "raise", "hang", "nan"])
-    try:
-        groups, outcomes = runner.run(problems, n=4, seed=0)
-    finally:
-        runner.close()
+    groups, outcomes = runner.run(problems, n=4, seed=0)
     statuses = sorted(o.status for o in outcomes[0])
     assert statuses == ["error", "error", "ok", "timeout"]
     assert sorted(o.reward for o in outcomes[0]) == [0.0, 0.0, 0.0, 1.0]
@@ -89,10 +86,7 @@ def math_python_episode(tmp_path, texts):
     task = build_task(cfg)
     assert isinstance(task, MathPythonTask)
     runner = runner_for(cfg, task, texts, max_tokens=200)
-    try:
-        groups, outcomes = runner.run([task.train_problem(0)], n=1, seed=0)
-    finally:
-        runner.close()
+    groups, outcomes = runner.run([task.train_problem(0)], n=1, seed=0)
     return groups[0], outcomes[0][0]
 
 

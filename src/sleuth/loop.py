@@ -308,8 +308,6 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO | None =
         queue.close()
         run.writer.close()
         run.verifier.close()
-        if run.episodes is not None:
-            run.episodes.close()
         run.engine.close()
         if run.cluster is not None:
             run.cluster.shutdown()

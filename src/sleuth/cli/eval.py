@@ -106,10 +106,7 @@ def run(args: argparse.Namespace) -> int:
             rollout = find_rollout(cfg.task, task)
             if rollout is not None:  # an episode task: avg@k over k episodes per problem
                 runner = EpisodeRunner(rollout, engine, tokenizer, cfg.task, eval_sampling(cfg))
-                try:
-                    result = evaluate_episodes(runner, problems, k, eval_sampling(cfg), seed=cfg.loop.seed)
-                finally:
-                    runner.close()
+                result = evaluate_episodes(runner, problems, k, eval_sampling(cfg), seed=cfg.loop.seed)
             else:
                 with VerifierRunner.from_config(task, cfg.task) as verifier:
                     result = evaluate(engine, task, tokenizer, problems, k, eval_sampling(cfg), verifier,

@@ -239,8 +239,7 @@ class GatewayServer:
 
     def stop(self) -> None:
         self._server.should_exit = True
-        if self._thread.ident is not None:  # started
-            self._thread.join(timeout=10)
+        self._thread.join(timeout=10)
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[GatewayServer]:

@@ -111,7 +111,7 @@ class SharedHTTP(httpx.AsyncClient):
 
 
 class EpisodeRunner:
-    """Runs episodes of a task through a gateway on the rollout engine (started here, on 127.0.0.1)."""
+    """Runs episodes of a task through a gateway on the rollout engine (served on 127.0.0.1 by session())."""
 
     def __init__(self, rollout: RolloutFn, engine: RolloutEngine, tokenizer: Any, cfg: TaskConfig,
                  sampling: SamplingParams) -> None:
@@ -177,9 +177,6 @@ class EpisodeRunner:
             print(f"sleuth: {len(failed)} of {sum(map(len, outcomes))} episodes failed (scored 0); first: "
                   f"{failed[0].status}: {failed[0].error}", file=sys.stderr)
         return [episode_group(p, o) for p, o in zip(problems, outcomes, strict=True)], outcomes
-
-    def close(self) -> None:
-        self.server.stop()
 
 
 def episode_metrics(outcomes: Sequence[Sequence[EpisodeOutcome]], groups: Sequence[Group]) -> dict[str, float]:
