@@ -23,9 +23,8 @@ import torch
 
 from sleuth.config import LoraConfig, ModelConfig, TrainerConfig
 from sleuth.hardware import cpu_description
-from sleuth.models import load_causal_lm
 from sleuth.records import Completion, Group, Problem
-from sleuth.train.policy import Policy, quantization_config
+from sleuth.train.policy import Policy, load_base_model
 from sleuth.train.step import Trainer
 
 
@@ -42,9 +41,8 @@ def make_groups(n_groups: int, vocab: int, seed: int = 0) -> list[Group]:
 
 def weight_bytes(path: str, mode: str, dtype: str) -> int:
     """Resident bytes of the loaded model's weights (quantized layers packed, the rest in dtype)."""
-    quant = quantization_config(mode, dtype)
-    extra = {"quantization_config": quant, "device_map": "cpu"} if quant is not None else {}
-    model = load_causal_lm(path, dtype, **extra)
+    cfg = ModelConfig(path=path, dtype=dtype, quantization=mode, lora=LoraConfig(enabled=False))
+    model = load_base_model(cfg, torch.device("cpu"))  # as the Policy loads it, before LoRA
     size = model.get_memory_footprint()
     del model
     gc.collect()

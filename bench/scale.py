@@ -37,7 +37,7 @@ from sleuth.config import ClusterConfig, RolloutConfig, load_config
 from sleuth.hardware import cpu_description
 from sleuth.models import SMOLLM2_ALIAS, resolve_model_path
 from sleuth.rollout.factory import make_engine
-from sleuth.sync import InProcessTransport, RayTransport, lora_adapter
+from sleuth.sync import InProcessTransport, RayTransport
 from sleuth.train.policy import Policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def bench_sync(folder: str) -> dict[str, float]:
     cfg = load_config(default_config_path())
     policy = Policy.from_config(cfg.model, need_reference=False)
     full = [(n, t.contiguous()) for n, t in policy.sync_state()]
-    adapter = lora_adapter(policy)
+    adapter = policy.lora_adapter()
     rollout = RolloutConfig(engine="hf", max_tokens=8)
     local = make_engine(rollout, folder, cfg.model.dtype, 0)
     cores = os.cpu_count() or 2

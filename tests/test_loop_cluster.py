@@ -121,3 +121,79 @@ def test_driver_killed_then_resumed_continues_exactly(setup, tmp_path):
     again = Cli(["--resume", str(tmp_path / "run")], tmp_path)
     assert again.finish() == 0, "".join(again.err)[-3000:]
     assert_same_run(read_metrics(tmp_path / "run"), want)
+
+
+@pytest.mark.slow
+def test_two_trainer_ranks_and_two_rollout_workers_match_one_process(setup, tmp_path):
+    """FSDP2 ranks (gloo) and rollout workers as Ray actors, all started by `sleuth train`: the same
+    rewards and tokens as one process, losses equal up to the sharded gradient sums' rounding."""
+    _, args, want = setup
+    workers = ["cluster.trainer_workers=2", "cluster.rollout_workers=2", "cluster.cpus_per_worker=0.5",
+               "cluster.object_store_gb=0.1"]
+    run = Cli([*args, *workers, "--out", str(tmp_path / "run")], tmp_path)
+    assert run.finish() == 0, "".join(run.err)[-3000:]
+    assert any("trainer rank 1: pid" in line for line in run.err)
+    got = read_metrics(tmp_path / "run")
+    worst = assert_same_run(got, want)
+    print(f"largest loss difference, 2 trainer ranks + 2 rollout workers vs one process: {worst:.2e}")
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()  # exported by rank 0
+
+
+@pytest.mark.slow
+def test_driver_killed_then_resumed_with_other_trainer_worker_counts_continues_exactly(setup, tmp_path):
+    """2 FSDP2 ranks write sharded checkpoints; after a SIGKILL of the driver one process resumes
+    them, is killed in turn, and 2 ranks resume its plain checkpoint: the same run as uninterrupted."""
+    _, args, want = setup
+    ranks = ["cluster.trainer_workers=2", "cluster.cpus_per_worker=0.5", "cluster.object_store_gb=0.1"]
+    run_dir = tmp_path / "run"
+    first = Cli([*args, *ranks, "--out", str(run_dir)], tmp_path)
+    wait_for_file(run_dir / "checkpoints" / "iter-000002" / "manifest.json")  # written last
+    os.kill(first.proc.pid, signal.SIGKILL)
+    assert first.finish() == -signal.SIGKILL
+    assert (run_dir / "checkpoints" / "iter-000002" / "policy" / ".metadata").is_file()  # sharded
+    alone = Cli(["--resume", str(run_dir), "cluster.trainer_workers=1"], tmp_path)
+    wait_for_file(run_dir / "checkpoints" / "iter-000003" / "manifest.json")
+    os.kill(alone.proc.pid, signal.SIGKILL)
+    assert alone.finish() == -signal.SIGKILL
+    assert not (run_dir / "checkpoints" / "iter-000003" / "policy" / ".metadata").exists()  # plain
+    again = Cli(["--resume", str(run_dir), "cluster.trainer_workers=2"], tmp_path)
+    assert again.finish() == 0, "".join(again.err)[-3000:]
+    assert_same_run(read_metrics(run_dir), want)
+
+
+def wait_for_file(path: Path, timeout: float = 400) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_two_vllm_rollout_workers_match_one_vllm_process(setup, tmp_path):
+    """vLLM seeds each request's sampler; its logits may depend on the batch a request lands in, so
+    it promises equal samples only for equal batches. Measured here (CPU, this tiny model): equal."""
+    pytest.importorskip("vllm")
+    _, args, _ = setup
+    vllm = ["rollout.engine=vllm", "rollout.kv_cache_gb=0.25"]
+    train(load_config(default_config_path(), [*args, *vllm]), tmp_path / "one", out=StringIO())
+    want = read_metrics(tmp_path / "one")
+    run = Cli([*args, *vllm, *RAY, "--out", str(tmp_path / "two")], tmp_path)
+    assert run.finish() == 0, "".join(run.err)[-3000:]
+    worst = assert_same_run(read_metrics(tmp_path / "two"), want)
+    print(f"largest loss difference, 2 vLLM rollout workers vs one vLLM process: {worst:.2e}")
+
+
+@pytest.mark.slow
+def test_killed_trainer_rank_stops_the_run_with_one_line_naming_it_and_the_checkpoint(setup, tmp_path):
+    _, args, _ = setup
+    ranks = ["cluster.trainer_workers=2", "cluster.cpus_per_worker=0.5", "cluster.object_store_gb=0.1"]
+    run = Cli([*args, *ranks, "--out", str(tmp_path / "run")], tmp_path)
+    pid = int(run.wait_for(r"trainer rank 1: pid (\d+)").group(1))
+    wait_for_file(tmp_path / "run" / "checkpoints" / "iter-000001" / "manifest.json")
+    os.kill(pid, signal.SIGKILL)
+    assert run.finish() == 2, "".join(run.err)[-3000:]
+    errors = [line for line in run.err if line.startswith("sleuth: error")]
+    assert len(errors) == 1, "".join(run.err)[-3000:]
+    assert "trainer rank 1 died" in errors[0] and "iter-00000" in errors[0] and "--resume" in errors[0]
+    assert "Traceback" not in "".join(run.err)

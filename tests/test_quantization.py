@@ -111,3 +111,71 @@ def test_quantization_needs_lora(tiny_dir: Path) -> None:
     cfg = ModelConfig(path=str(tiny_dir), dtype="float32", quantization="nf4", lora=LoraConfig(enabled=False))
     with pytest.raises(UserError, match=r"model\.quantization=nf4 needs model\.lora\.enabled=true"):
         Policy.from_config(cfg, need_reference=False, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tied"), hidden=128, tied=True)
+
+
+def test_nf4_table_matches_bitsandbytes_nf4() -> None:
+    """Our 4-bit embedding stores what bitsandbytes' NF4 (blocks of 64, no double quantization)
+    stores: the same code book and block scales, so the same dequantized values."""
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    from sleuth.train.quantized_embedding import NF4Embedding
+
+    weight = torch.randn(300, 192, generator=torch.Generator().manual_seed(3)) * 0.05
+    ours = NF4Embedding(weight, torch.float32)
+    packed, state = quantize_4bit(weight, blocksize=64, compress_statistics=False, quant_type="nf4")
+    theirs = dequantize_4bit(packed, state).float()
+    mismatched = (ours.dequantize() != theirs).float().mean().item()
+    assert mismatched < 1e-3  # (a value exactly between two levels may round either way)
+    torch.testing.assert_close(ours.dequantize(), theirs, atol=1e-3, rtol=0)
+    ids = torch.tensor([[0, 299, 7], [7, 7, 150]])
+    assert torch.equal(ours(ids), ours.dequantize()[ids])  # a lookup dequantizes only its rows
+    assert ours.codes.nbytes == 300 * 192 // 2 and ours.absmax.numel() == 300 * 3
+
+
+def test_nf4_quantizes_a_tied_embedding_and_its_head(tied_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from sleuth.train.quantized_embedding import NF4Embedding, TiedNF4Head
+
+    policy = quantized_policy(tied_dir, "nf4")
+    lm = policy.causal_lm
+    assert isinstance(lm.get_input_embeddings(), NF4Embedding)
+    assert isinstance(lm.get_output_embeddings(), TiedNF4Head)
+    plain = AutoModelForCausalLM.from_pretrained(tied_dir, dtype=torch.float32)
+    table = plain.get_input_embeddings().weight.numel()
+    # the table's 4-bit codes and scales take 1/8 + 1/64 of its float32 bytes
+    assert lm.get_input_embeddings().codes.nbytes + lm.get_input_embeddings().absmax.nbytes == table // 2 + table // 16
+    assert lm.get_memory_footprint() < 0.4 * plain.get_memory_footprint()
+    # --dry-run's memory plan (cluster/plan.py) counts the quantized base as it is loaded
+    from sleuth.cluster.plan import ModelShape
+
+    adapter = sum(p.numel() * p.element_size() for n, p in lm.named_parameters() if "lora_" in n)
+    planned = ModelShape.from_folder(tied_dir).base_bytes(4, "nf4")
+    assert planned == pytest.approx(lm.get_memory_footprint() - adapter, rel=0.03)
+
+    ids = torch.tensor([list(range(30, 70))])
+    with torch.no_grad():
+        adapted = lm(input_ids=ids).logits
+        merged = dict(policy.sync_state())
+        assert "model.embed_tokens.weight" in merged and "lm_head.weight" not in merged  # tied
+        tied_plain = AutoModelForCausalLM.from_pretrained(tied_dir, dtype=torch.float32).eval()
+        missing, unexpected = tied_plain.load_state_dict(merged, strict=False)
+        assert missing == ["lm_head.weight"] and not unexpected  # the head is the tied table
+        want = tied_plain(input_ids=ids).logits
+        assert torch.allclose(want, adapted, atol=QUANT_TOL, rtol=0)
+        # the quantized table is close to the original one (NF4: at most ~14% of a block's absmax)
+        err = (merged["model.embed_tokens.weight"] - plain.get_input_embeddings().weight).abs().max()
+        assert 0 < err < 0.15 * plain.get_input_embeddings().weight.abs().max()
+
+    trainer = Trainer(policy, AlgorithmConfig(tis_cap=None), TrainerConfig(row_tokens=64, lr=0.01), max_tokens=16)
+    metrics = trainer.step(groups(2))
+    assert metrics["self_check_mean_diff"] < 1e-5 and metrics["grad_norm"] > 0
+    out = policy.export_merged(tmp_path / "export")
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.allclose(reloaded(input_ids=ids).logits, lm(input_ids=ids).logits, atol=QUANT_TOL, rtol=0)

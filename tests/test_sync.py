@@ -11,7 +11,7 @@ from sleuth.config import LoraConfig, ModelConfig
 from sleuth.records import LoraAdapter
 from sleuth.rollout.base import RolloutEngine
 from sleuth.rollout.hf_engine import HFEngine
-from sleuth.sync import InProcessTransport, WeightSync, choose_mode, lora_adapter, pack_buckets, unpack
+from sleuth.sync import InProcessTransport, WeightSync, choose_mode, pack_buckets, unpack
 from sleuth.testing.tiny_model import build_model, build_tokenizer
 from sleuth.train.policy import Policy
 
@@ -49,7 +49,7 @@ def test_lora_on_an_adapter_engine_sends_only_the_adapter() -> None:
         sync = WeightSync(policy, engine)
         stats = sync.push()
         assert stats.mode == "adapter"
-        assert stats.bytes == lora_adapter(policy).nbytes
+        assert stats.bytes == policy.lora_adapter().nbytes
         assert 0 < stats.bytes < full_bytes(policy) / 5
         assert_engine_matches(policy, engine)
         # A second update replaces the first adapter (not added on top of it).

@@ -75,8 +75,11 @@ def test_group_steps_checkpoints_and_reports_a_dead_rank(local_ray, tmp_path: Pa
         synced = dict(group.sync_state())
         for name, t in policy.sync_state():
             torch.testing.assert_close(synced[name], t, rtol=1e-5, atol=1e-6)
-        adapter = group.lora_adapter()
-        assert adapter is not None and adapter.rank == 4 and len(adapter.tensors) > 0
+        adapter, want_adapter = group.lora_adapter(), policy.lora_adapter()
+        assert adapter.rank == 4 and set(adapter.tensors) == set(want_adapter.tensors)
+        for name, t in want_adapter.tensors.items():  # whole plain tensors, not the ranks' shards
+            assert type(adapter.tensors[name]) is torch.Tensor and adapter.tensors[name].shape == t.shape
+            torch.testing.assert_close(adapter.tensors[name], t, rtol=1e-5, atol=1e-6)
 
         # A checkpoint through the run's CheckpointManager, resumed by one plain process.
         checkpoints = CheckpointManager(tmp_path / "run" / "checkpoints")

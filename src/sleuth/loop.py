@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 import torch
@@ -45,6 +45,9 @@ from sleuth.tasks.episodes import EpisodeRunner, find_rollout
 from sleuth.train.policy import Policy
 from sleuth.train.step import Trainer
 
+if TYPE_CHECKING:  # imported for real only when cluster.trainer_workers > 1 (it needs Ray)
+    from sleuth.cluster.trainer_group import TrainerGroup
+
 EVAL_SEED_TAG = "run-eval"
 """Evaluation sampling seeds derive from (this, loop.seed) only, fixed across the run, so before and
 after compare the same draws."""
@@ -57,8 +60,9 @@ class Run:
     cfg: Config
     run_dir: Path
     task: Task
-    policy: Policy
-    trainer: Trainer
+    policy: Policy | TrainerGroup
+    """With cluster.trainer_workers > 1 the TrainerGroup of FSDP2 ranks, which is also `trainer`."""
+    trainer: Trainer | TrainerGroup
     engine: RolloutEngine
     sync: WeightSync
     writer: MetricsWriter
@@ -144,7 +148,7 @@ class InterruptFlag:
 
 def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     """Build task, policy, trainer, engine and writers; restore the latest checkpoint on resume."""
-    from sleuth.rollout.factory import make_engine
+    from sleuth.rollout.factory import engine_kind, make_engine, vllm_available
     from sleuth.tasks.registry import build_task
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -152,10 +156,12 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     if cfg.cluster.uses_ray:  # first: a cluster that cannot hold the workers fails before any loading
         from sleuth.cluster.runtime import start_cluster
 
-        if cfg.cluster.trainer_workers > 1:  # FSDP2 ranks (cluster/trainer_group.py) are not wired in yet
-            raise ConfigError("cluster.trainer_workers > 1: the FSDP2 trainer group is not part of the loop "
-                              "yet; use cluster.trainer_workers=1 (rollout workers scale already)")
-
+        if cfg.cluster.trainer_workers > 1 and cfg.model.quantization != "none":
+            raise ConfigError(f"model.quantization={cfg.model.quantization} with cluster.trainer_workers > 1: "
+                              "FSDP2 shards float parameters; use one trainer worker or model.quantization=none")
+        if (cfg.cluster.gpus_per_rollout_worker or 0) > 1 and cfg.rollout.engine == "hf":
+            raise ConfigError(f"cluster.gpus_per_rollout_worker={cfg.cluster.gpus_per_rollout_worker} is vLLM's "
+                              "tensor-parallel size; the transformers engine runs on one GPU: use rollout.engine=vllm")
         cluster, placement = start_cluster(cfg.cluster)
     seed_everything(cfg.loop.seed, 0, cfg.loop.deterministic)
     task = build_task(cfg.task)
@@ -164,11 +170,25 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
         raise UserError("rollout.native_lora serves the adapter on the unquantized base, which "
                         f"model.quantization={cfg.model.quantization} changes; turn one of them off")
     dtype = resolve_dtype(cfg.model.dtype)
-    policy = Policy.from_config(cfg.model.model_copy(update={"dtype": dtype}),
-                                need_reference=cfg.algorithm.kl_beta > 0)
-    trainer = Trainer(policy, cfg.algorithm, cfg.trainer, total_steps=cfg.loop.iterations,
-                      max_tokens=cfg.rollout.max_tokens)
+    model_cfg = cfg.model.model_copy(update={"dtype": dtype})
+    model_path = str(resolve_model_path(cfg.model.path))
+    if cluster is None and engine_kind(cfg.rollout) == "vllm" and vllm_available():  # before the policy
+        from sleuth.rollout.vllm_engine import check_beside_trainer
+
+        check_beside_trainer(model_path)
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.loop.keep_checkpoints)
+    policy: Policy | TrainerGroup
+    trainer: Trainer | TrainerGroup
+    if cfg.cluster.trainer_workers > 1:  # FSDP2 ranks on Ray: the group is both policy and trainer
+        from sleuth.cluster.trainer_group import TrainerGroup
+
+        policy = trainer = TrainerGroup.from_config(cfg.model_copy(update={"model": model_cfg}), placement,
+                                                    checkpoints.directory, seed=torch.initial_seed())
+        print("\n".join(policy.placement_lines()), file=sys.stderr)
+    else:
+        policy = Policy.from_config(model_cfg, need_reference=cfg.algorithm.kl_beta > 0)
+        trainer = Trainer(policy, cfg.algorithm, cfg.trainer, total_steps=cfg.loop.iterations,
+                          max_tokens=cfg.rollout.max_tokens)
     start, state = 0, {}
     latest = checkpoints.restore_latest(policy, trainer) if resume else None
     if latest is not None:
@@ -182,7 +202,6 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     writer = MetricsWriter(run_dir, cfg.logging, config=cfg.model_dump(mode="json"))
     if resume:  # forget what was logged after the checkpoint (everything, when there is none)
         writer.truncate_after(start if latest is not None else -1)
-    model_path = str(resolve_model_path(cfg.model.path))
     if cluster is not None:  # rollout workers on Ray; weights reach them through its object store
         from sleuth.cluster.rollout_pool import RolloutPool
         from sleuth.sync import RayTransport
@@ -310,6 +329,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO | None =
         run.verifier.close()
         run.engine.close()
         if run.cluster is not None:
+            if not isinstance(run.trainer, Trainer):  # a TrainerGroup: stop the FSDP2 ranks' actors
+                run.trainer.close()
             run.cluster.shutdown()
     print(_budget_text(done, L.iterations, budget), file=out, flush=True)
     before, after = run.state.get("val_before"), run.state.get("val_last")

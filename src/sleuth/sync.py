@@ -31,7 +31,6 @@ import torch
 from sleuth.errors import UserError
 from sleuth.records import LoraAdapter
 from sleuth.rollout.base import RolloutEngine
-from sleuth.train.policy import Policy
 
 SyncMode = Literal["adapter", "full"]
 
@@ -40,6 +39,18 @@ ALIGN = 64
 
 DEFAULT_BUCKET_MB = 256
 """Bucket size: large enough that per-object overhead vanishes, small enough to pipeline."""
+
+
+class WeightSource(Protocol):
+    """What a sync reads: train/policy.py's Policy in one process, or the FSDP2 ranks behind
+    cluster/trainer_group.py's TrainerGroup (weights gathered on rank 0)."""
+
+    @property
+    def is_lora(self) -> bool: ...
+    @property
+    def adapter_is_portable(self) -> bool: ...
+    def sync_state(self) -> Iterable[tuple[str, torch.Tensor]]: ...
+    def lora_adapter(self) -> LoraAdapter: ...
 
 
 class Transport(Protocol):
@@ -105,27 +116,17 @@ class SyncStats:
                 "sync/adapter": float(self.mode == "adapter")}
 
 
-def choose_mode(policy: Policy, engine: RolloutEngine) -> SyncMode:
+def choose_mode(policy: WeightSource, engine: RolloutEngine) -> SyncMode:
     """adapter whenever the policy is LoRA and the engine serves adapters, else full weights. An
     adapter that does not reproduce the policy on the engine's base checkpoint (quantized base,
     fused-expert adapters) goes as full merged weights (Policy.adapter_is_portable)."""
     return "adapter" if policy.is_lora and engine.native_lora and policy.adapter_is_portable else "full"
 
 
-def lora_adapter(policy: Policy) -> LoraAdapter:
-    """The policy's LoRA adapter as tensors (no copy, no disk): PEFT names without the adapter name."""
-    from peft import get_peft_model_state_dict
-
-    lora = policy.model_cfg.lora
-    tensors = {name: t.detach() for name, t in get_peft_model_state_dict(policy.model).items()}
-    targets = tuple(lora.target_modules) if isinstance(lora.target_modules, list) else ()
-    return LoraAdapter(tensors, rank=lora.rank, alpha=lora.alpha, target_modules=targets)
-
-
 class WeightSync:
     """Keeps one engine's weights equal to the policy's. `push()` after every update."""
 
-    def __init__(self, policy: Policy, engine: RolloutEngine, transport: Transport | None = None,
+    def __init__(self, policy: WeightSource, engine: RolloutEngine, transport: Transport | None = None,
                  mode: SyncMode | None = None) -> None:
         self.policy = policy
         self.engine = engine
@@ -143,7 +144,7 @@ class WeightSync:
         start = time.perf_counter()
         with torch.no_grad():
             if self.mode == "adapter":
-                moved = self.transport.send_adapter(self.engine, lora_adapter(self.policy))
+                moved = self.transport.send_adapter(self.engine, self.policy.lora_adapter())
             else:
                 moved = self.transport.send_full(self.engine, self.policy.sync_state())
         return SyncStats(self.mode, moved, time.perf_counter() - start)
@@ -157,7 +158,7 @@ class WeightSync:
         """
         with torch.no_grad():
             if self.mode == "adapter":
-                adapter = lora_adapter(self.policy)
+                adapter = self.policy.lora_adapter()
                 adapter = replace(adapter, tensors={n: t.clone() for n, t in adapter.tensors.items()})
 
                 def send() -> int:

@@ -101,6 +101,9 @@ def dry_run(cfg: Any) -> list[str]:
     if engine == "auto":
         engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
     lines.append(f"rollout engine: {engine}")
+    from sleuth.allocator import allocator_in_use
+
+    lines.append(f"memory allocator: {allocator_in_use()}")
     from sleuth.cluster.plan import describe  # placement and memory plan (joins cluster.address if set)
     from sleuth.models import resolve_model_path
 

@@ -36,6 +36,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def dtype_bytes(cfg: Config) -> int:
     """Bytes per weight of model.dtype ("auto" as this machine resolves it)."""
     return DTYPE_BYTES[resolve_dtype(cfg.model.dtype)]
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+"""Bytes per weight of a bitsandbytes nf4 layer: 4 bits, an 8-bit scale per 64 weights, and a
+float32 scale per 256 of those (double quantization)."""
+NF4_TABLE_BYTES = 0.5 + 4 / 64
+"""Bytes per value of the 4-bit token embedding (train/quantized_embedding.py)."""
 LOGIT_CHUNK = 1024
 """train/logprobs.py computes float32 logits in chunks of this many tokens."""
 ACTIVATION_FACTOR = 26
@@ -89,6 +94,24 @@ class ModelShape:
         embed = self.vocab * self.hidden
         return embed * (1 if self.tied else 2) + self.layers * self.layer_params() + self.hidden
 
+    def linear_params(self) -> int:
+        """The decoder layers' linear weights (what bitsandbytes quantizes)."""
+        return self.layers * sum(a * b for a, b in self.linears().values())
+
+    def base_bytes(self, dtype_bytes: int, quantization: str) -> float:
+        """Bytes of the frozen base as loaded: with nf4, linear weights at 4 bits plus bitsandbytes'
+        double-quantized block scales (~0.52 bytes each) and the token embedding in our 4-bit table
+        (4 bits + a float32 scale per 64: 0.5625 bytes); with int8, linear weights at 1 byte. Norms,
+        biases and an untied output head stay in the model's dtype."""
+        if quantization == "none":
+            return self.params() * dtype_bytes
+        linear = self.linear_params()
+        embed = self.vocab * self.hidden
+        rest = self.params() - linear - embed
+        if quantization == "int8":
+            return linear * 1.0 + (embed + rest) * dtype_bytes
+        return linear * NF4_BYTES + embed * NF4_TABLE_BYTES + rest * dtype_bytes
+
     def lora_params(self, rank: int, targets: list[str] | str) -> int:
         chosen = [(a, b) for name, (a, b) in self.linears().items() if targets == "all-linear" or name in targets]
         return self.layers * sum(rank * (a + b) for a, b in chosen)
@@ -104,7 +127,8 @@ def trainer_memory(cfg: Config, shape: ModelShape, world: int) -> dict[str, floa
     trained = shape.lora_params(lora.rank, lora.target_modules) if lora.enabled else shape.params()
     frozen_copy = shape.params() if cfg.algorithm.kl_beta > 0 and not lora.enabled else 0
     gathered = shape.layer_params() * b if world > 1 else 0  # one layer unsharded during its compute
-    params = (shape.params() + (trained if lora.enabled else 0) + frozen_copy) * b / world + gathered
+    base = shape.base_bytes(b, cfg.model.quantization)
+    params = (base + ((trained if lora.enabled else 0) + frozen_copy) * b) / world + gathered
     tokens = cfg.trainer.row_tokens
     per_token_layer = ACTIVATION_FACTOR * shape.hidden + 4 * shape.intermediate
     if cfg.model.gradient_checkpointing:  # layer inputs kept, one layer recomputed at a time
@@ -152,7 +176,8 @@ def plan_lines(cfg: Config, nodes: list[Node], model_folder: Path, engine: str) 
     C = cfg.cluster
     placement = place(worker_specs(C, nodes), nodes)
     lines = [f"model: {shape.params() / 1e9:.2f}B parameters ({shape.layers} layers, hidden {shape.hidden}), "
-             f"{resolve_dtype(cfg.model.dtype)}" + (f", LoRA rank {cfg.model.lora.rank}" if cfg.model.lora.enabled else "")]
+             f"{resolve_dtype(cfg.model.dtype)}" + (f", LoRA rank {cfg.model.lora.rank}" if cfg.model.lora.enabled else "")
+             + (f", {cfg.model.quantization} base" if cfg.model.quantization != "none" else "")]
     world = C.trainer_workers
     trainer_on: list[tuple[str, Node | None, float]] = []
     if world == 1:

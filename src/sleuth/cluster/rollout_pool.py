@@ -54,11 +54,14 @@ class RolloutWorkerError(RuntimeError):
 class RolloutWorker:
     """A Ray actor (async: the engine's futures resolve on the actor's event loop) owning one engine."""
 
-    def __init__(self, rollout_cfg: dict[str, Any], model_path: str, dtype: str, seed: int, threads: int) -> None:
+    def __init__(self, rollout_cfg: dict[str, Any], model_path: str, dtype: str, seed: int, threads: int,
+                 gpus: int = 0) -> None:
         import torch
 
         torch.set_num_threads(threads)
         self._args = (RolloutConfig(**rollout_cfg), model_path, dtype, seed)
+        self._tensor_parallel_size = max(1, gpus)
+        """cluster.gpus_per_rollout_worker: vLLM's tensor_parallel_size over this actor's GPUs."""
         self.engine: RolloutEngine | None = None
         self.version = 0
         """Weights version: 0 = the model folder's weights; the pool's sync counter after a sync."""
@@ -74,7 +77,8 @@ class RolloutWorker:
         if self.engine is None:
             from sleuth.rollout.factory import make_engine
 
-            self.engine = await asyncio.to_thread(make_engine, *self._args)
+            self.engine = await asyncio.to_thread(make_engine, *self._args,
+                                                  tensor_parallel_size=self._tensor_parallel_size)
         return self.info()
 
     def _check(self, version: int) -> RolloutEngine:
@@ -130,7 +134,7 @@ class RolloutPool(RolloutEngine):
         self.workers = [
             actor.options(num_cpus=s.cpus, num_gpus=s.gpus, max_restarts=MAX_RESTARTS, max_task_retries=0,
                           name=None).remote(rollout_cfg.model_dump(), model_path, dtype, seed,
-                                            max(1, round(s.cpus)))
+                                            max(1, round(s.cpus)), int(s.gpus))
             for s in specs
         ]
         self._load = [0] * len(self.workers)

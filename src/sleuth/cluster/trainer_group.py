@@ -1,13 +1,16 @@
 """FSDP2 trainer ranks as Ray actors, behind the single-process trainer's interface.
 
-    group = TrainerGroup(cfg, world_size=2, checkpoint_dir=run_dir / "checkpoints")
+    group = TrainerGroup.from_config(cfg, placement, run_dir / "checkpoints", seed)
     metrics = group.step(groups)                     # like Trainer.step (rank 0's metrics)
-    engine.sync_weights(group.sync_state())          # full merged weights, gathered on rank 0
-    engine.sync_lora(group.lora_adapter())           # or just the adapter (LoRA)
+    WeightSync(group, engine).push()                 # merged weights (or the adapter) gathered on rank 0
     checkpoints.save(i, group, group, state)         # group.save(dir): sharded; group.state_dict()
-    checkpoints.restore(latest, group, group)        # any earlier world size
-    group.export(out_dir)                            # one plain HF folder
+    checkpoints.restore(latest, group, group)        # written by any number of ranks, or by one process
+    group.export_merged(out_dir)                     # one plain HF folder
     group.close()
+
+In the loop (loop.py, cluster.trainer_workers > 1) the group stands where the one-process Policy
+and Trainer stand: it has their interfaces for the step, the weight sync (sync.WeightSource),
+checkpoints and export, and a tokenizer; the driver never loads the weights.
 
 Each actor is one rank: it joins a gloo (CPU) or NCCL (GPU) process group whose address is rank 0's
 node and a free port there, builds the policy from the config with the same seed as every other
@@ -22,10 +25,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from sleuth.cluster.runtime import Assignment
 from sleuth.config import Config
 from sleuth.errors import UserError
 from sleuth.records import Group, LoraAdapter
@@ -44,6 +48,8 @@ class TrainerRank:
 
         torch.set_num_threads(max(1, threads))
         self.cfg = Config.model_validate(cfg)
+        if self.cfg.loop.deterministic:  # as the driver sets it for a one-process run (loop.py)
+            torch.use_deterministic_algorithms(True, warn_only=True)
         self.rank, self.world_size = rank, world_size
         self.total_steps, self.max_tokens, self.seed = total_steps, max_tokens, seed
         self.policy: Any = None
@@ -72,6 +78,9 @@ class TrainerRank:
         self.policy = Policy.from_config(cfg.model, need_reference=cfg.algorithm.kl_beta > 0, device=device)
         self.trainer = FSDPTrainer(self.policy, cfg.algorithm, cfg.trainer, total_steps=self.total_steps,
                                    max_tokens=self.max_tokens)
+
+    def adapter_is_portable(self) -> bool:
+        return bool(self.policy.adapter_is_portable)
 
     def step(self, groups: list[Group]) -> dict[str, float]:
         return self.trainer.step(groups)
@@ -107,18 +116,18 @@ class TrainerRank:
             return [(n, t.detach().to("cpu", copy=True)) for n, t in self.policy.sync_state()]
 
     def lora_adapter(self) -> LoraAdapter | None:
-        """The adapter (sync.lora_adapter) on rank 0, None elsewhere or without LoRA; collective."""
-        from sleuth.sync import lora_adapter
-        from sleuth.train.fsdp import gathered
+        """The adapter (Policy.lora_adapter) on rank 0, None elsewhere or without LoRA; collective.
+
+        Its state dict holds DTensor shards under FSDP2: every rank joins each full_tensor()
+        gather (in the same order), and only plain tensors leave the rank."""
+        from torch.distributed.tensor import DTensor
 
         if not self.policy.is_lora:
             return None
-        with gathered(self.policy):
-            if self.rank != 0:
-                return None
-            adapter = lora_adapter(self.policy)
-            tensors = {k: v.to("cpu", copy=True) for k, v in adapter.tensors.items()}
-        return dataclasses.replace(adapter, tensors=tensors)
+        adapter = self.policy.lora_adapter()
+        tensors = {k: (v.full_tensor() if isinstance(v, DTensor) else v).to("cpu", copy=True)
+                   for k, v in adapter.tensors.items()}
+        return dataclasses.replace(adapter, tensors=tensors) if self.rank == 0 else None
 
     def export(self, out_dir: str) -> None:
         """Rank 0 writes the merged weights as a plain HF folder; collective."""
@@ -165,6 +174,34 @@ class TrainerGroup:
                 cfg.loop.seed if seed is None else seed, max(1, int(cpus_per_worker))))
         addr, port = self._all("address", ranks=[0])[0]
         self._all("setup", addr, port, timeout_s)
+        self.adapter_is_portable = self.is_lora and self._all("adapter_is_portable", ranks=[0])[0]
+        self.model_path = cfg.model.path
+        self._tokenizer: Any = None
+
+    @classmethod
+    def from_config(cls, cfg: Config, placement: Sequence[Assignment], checkpoint_dir: Path,
+                    seed: int) -> TrainerGroup:
+        """The loop's trainer ranks, each on the node the placement planned for it (the plan was
+        checked against the cluster's resources, so none is left pending). `cfg.model.dtype` must
+        already be resolved for the machine; `seed` is what a one-process run seeds torch with
+        before building its policy, so the LoRA initialisation is the same."""
+        ranks = sorted((a for a in placement if a.spec.kind == "trainer"), key=lambda a: a.spec.index)
+        C = cfg.cluster
+        return cls(cfg, len(ranks), checkpoint_dir, seed=seed, cpus_per_worker=C.cpus_per_worker,
+                   gpus_per_worker=ranks[0].spec.gpus, node_ids=[a.node.node_id for a in ranks],
+                   timeout_s=C.sync_timeout_s)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, loaded in the driver (it never holds the weights)."""
+        if self._tokenizer is None:
+            from sleuth.models import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model_path)
+        return self._tokenizer
+
+    def placement_lines(self) -> list[str]:
+        return [f"trainer rank {r}: pid {pid}" for r, pid in enumerate(self.pids())]
 
     # ------------------------------------------------------------------ the Trainer's interface
 
@@ -191,8 +228,11 @@ class TrainerGroup:
         """(HF name, tensor) of the full merged weights, gathered on rank 0."""
         yield from self._all("sync_state")[0]
 
-    def lora_adapter(self) -> LoraAdapter | None:
-        return self._all("lora_adapter")[0]
+    def lora_adapter(self) -> LoraAdapter:
+        adapter = self._all("lora_adapter")[0]
+        if adapter is None:
+            raise ValueError("lora_adapter: the trainer ranks train full weights (model.lora.enabled=false)")
+        return adapter
 
     def export_merged(self, out_dir: str | Path) -> Path:
         """A plain HF model folder (rank 0 writes it; the driver and rank 0 share a filesystem)."""

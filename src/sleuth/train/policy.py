@@ -3,6 +3,7 @@
     policy = Policy.from_config(cfg.model, need_reference=cfg.algorithm.kl_beta > 0)
     logp, entropy = policy.row_logprobs(row)          # packed row -> per completion-token values
     policy.sync_state()                                # full merged weights, base HF names (sleuth.sync)
+    policy.lora_adapter()                              # or the adapter alone (LoRA)
     policy.save(dir); policy.load_weights(dir); policy.export_merged(dir)
 
 The reference policy for the KL term is the same model with the adapter disabled (LoRA, no second
@@ -27,6 +28,7 @@ import torch
 from sleuth.config import ModelConfig
 from sleuth.errors import UserError
 from sleuth.models import check_lora_targets
+from sleuth.records import LoraAdapter
 from sleuth.train.attention import attention_kwargs, backend_for
 from sleuth.train.logprobs import token_logprobs
 from sleuth.train.packing import PackedRow
@@ -104,12 +106,10 @@ class Policy:
     def from_config(cls, model_cfg: ModelConfig, need_reference: bool,
                     device: torch.device | str | None = None) -> Policy:
         """Load model_cfg.path; attention is sleuth_packed on CPU and flex_attention on CUDA."""
-        from sleuth.models import load_causal_lm, load_tokenizer
+        from sleuth.models import load_tokenizer
 
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        quant = quantization_config(model_cfg.quantization, model_cfg.dtype)
-        extra = {"quantization_config": quant, "device_map": str(dev)} if quant is not None else {}
-        model = load_causal_lm(model_cfg.path, model_cfg.dtype, attn_implementation=backend_for(dev), **extra)
+        model = load_base_model(model_cfg, dev)
         if backend_for(dev, model.config) != model.config._attn_implementation:  # windows or sinks
             model.set_attn_implementation(backend_for(dev, model.config))
         tokenizer = load_tokenizer(model_cfg.path)
@@ -207,6 +207,7 @@ class Policy:
         stacks, nested one per adapted parameter) adapts the parameter it names. Either way the
         HF name is the parameter's name with PEFT's `.base_layer` hops removed."""
         lm = self.causal_lm
+        yield from self._quantized_tables()
         if not self.is_lora:
             for name, p in lm.named_parameters():
                 yield name, p.detach()
@@ -221,6 +222,25 @@ class Policy:
                 yield hf_name, (value.float() + layer.get_delta_weight(ADAPTER).float()).to(value.dtype)
             else:
                 yield hf_name, value
+
+    @torch.no_grad()
+    def lora_adapter(self) -> LoraAdapter:
+        """The LoRA adapter as tensors (no copy, no disk): PEFT names without the adapter name."""
+        from peft import get_peft_model_state_dict
+
+        lora = self.model_cfg.lora
+        tensors = {name: t.detach() for name, t in get_peft_model_state_dict(self.model).items()}
+        targets = tuple(lora.target_modules) if isinstance(lora.target_modules, list) else ()
+        return LoraAdapter(tensors, rank=lora.rank, alpha=lora.alpha, target_modules=targets)
+
+    def _quantized_tables(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, dequantized table) of a 4-bit token embedding (quantized_embedding.py), which
+        holds buffers rather than a parameter."""
+        from sleuth.train.quantized_embedding import NF4Embedding
+
+        for name, m in self.causal_lm.named_modules():
+            if isinstance(m, NF4Embedding):
+                yield f"{name}.weight", m.dequantize()
 
     def _dequantized(self, name: str, p: torch.Tensor) -> torch.Tensor:
         """The parameter in the compute dtype: bitsandbytes 4/8-bit weights dequantized."""
@@ -325,6 +345,21 @@ def _checkpoint_format(lm: Any, state: dict[str, torch.Tensor]) -> dict[str, tor
     except ImportError:  # an older transformers: names were never converted
         return state
     return {k: v.contiguous() for k, v in revert_weight_conversion(lm, state).items()}
+
+
+def load_base_model(model_cfg: ModelConfig, device: torch.device) -> Any:
+    """The CausalLM of model_cfg.path before LoRA: quantized at load by bitsandbytes for
+    model.quantization, and with nf4 its token embedding in 4 bits too (quantized_embedding.py)."""
+    from sleuth.models import load_causal_lm
+
+    quant = quantization_config(model_cfg.quantization, model_cfg.dtype)
+    extra = {"quantization_config": quant, "device_map": str(device)} if quant is not None else {}
+    model = load_causal_lm(model_cfg.path, model_cfg.dtype, attn_implementation=backend_for(device), **extra)
+    if model_cfg.quantization == "nf4":  # bitsandbytes leaves the (often tied) embedding in 16 bits
+        from sleuth.train.quantized_embedding import quantize_embeddings
+
+        quantize_embeddings(model, _torch_dtype(model_cfg.dtype))
+    return model
 
 
 def quantization_config(name: str, dtype: str) -> Any:
