@@ -11,7 +11,9 @@
    machine's cores, evaluation off; the second iteration's time/iteration_s is compared (the first
    pays for warm-up). Target: ray_overhead <= 0.10.
 4. fsdp2_step_ratio: bench/fsdp_step.py (2 gloo ranks vs 1 process) when it exists.
-5. --memory: the --dry-run trainer estimate (cluster/plan.py) against the measured peak RSS of one
+5. --fsdp-iteration: (3) with 2 FSDP2 trainer ranks and 1 rollout worker as Ray actors (0.5 CPU
+   each, a local cluster sleuth starts) against one process; prints fsdp2_loop_overhead=....
+6. --memory: the --dry-run trainer estimate (cluster/plan.py) against the measured peak RSS of one
    step of the default (SmolLM2, float32, LoRA) on one full packed row of --row-tokens, in a fresh
    process: the RSS the model load adds vs the "params" estimate, and the peak the step adds over
    that vs "grads + optimizer + activations".
@@ -89,9 +91,11 @@ def bench_sync(folder: str) -> dict[str, float]:
             "lora_bytes": lora_bytes, "ray_lora_s": ray_lora, "local_lora_s": local_lora}
 
 
-def one_iteration(on_ray: bool, out: Path) -> float:
-    """time/iteration_s of iteration 2 of the default (evaluation off), in a fresh process."""
-    args = ["loop.iterations=2", "loop.evaluate=false", "loop.checkpoint_every=0", "logging.tensorboard=false"]
+def one_iteration(on_ray: bool, out: Path, extra: tuple[str, ...] = ()) -> float:
+    """time/iteration_s of iteration 2 of the default (evaluation off), in a fresh process; `extra`
+    overrides (e.g. cluster.trainer_workers=2, a local Ray cluster that sleuth starts itself)."""
+    args = ["loop.iterations=2", "loop.evaluate=false", "loop.checkpoint_every=0", "logging.tensorboard=false",
+            *extra]
     code = (
         "import sys, json; from io import StringIO; from pathlib import Path\n"
         "from sleuth.cli.train import default_config_path; from sleuth.config import load_config\n"
@@ -175,10 +179,24 @@ def main() -> None:
     ap.add_argument("--skip-iteration", action="store_true", help="only the sync figures")
     ap.add_argument("--memory", action="store_true", help="only the memory estimate against a measured peak")
     ap.add_argument("--row-tokens", type=int, default=1024)
+    ap.add_argument("--fsdp-iteration", action="store_true",
+                    help="only: iteration 2 of the default with 2 FSDP2 trainer ranks + 1 rollout worker on "
+                         "Ray (0.5 CPU each) against one process")
     a = ap.parse_args()
     print(f"CPU: {cpu_description()}; torch threads {torch.get_num_threads()}")
     if a.memory:
         memory_check(a.row_tokens)
+        return
+    if a.fsdp_iteration:
+        ranks = ("cluster.trainer_workers=2", "cluster.cpus_per_worker=0.5", "cluster.object_store_gb=1")
+        with tempfile.TemporaryDirectory() as tmp:
+            progress("default iteration in one process")
+            local = one_iteration(False, Path(tmp) / "local")
+            progress("default iteration with 2 FSDP2 ranks and a rollout worker on Ray")
+            sharded = one_iteration(False, Path(tmp) / "fsdp", ranks)
+        print(f"| iteration 2 of the default | in-process {local:.1f} s | 2 FSDP2 ranks + 1 rollout worker "
+              f"{sharded:.1f} s |")
+        print(f"fsdp2_loop_overhead={sharded / local - 1:.3f}")
         return
     folder = str(resolve_model_path(SMOLLM2_ALIAS))
     s = bench_sync(folder)
