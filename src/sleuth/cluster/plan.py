@@ -36,6 +36,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def dtype_bytes(cfg: Config) -> int:
     """Bytes per weight of model.dtype ("auto" as this machine resolves it)."""
     return DTYPE_BYTES[resolve_dtype(cfg.model.dtype)]
+
+
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 """Bytes per weight of a bitsandbytes nf4 layer: 4 bits, an 8-bit scale per 64 weights, and a
 float32 scale per 256 of those (double quantization)."""

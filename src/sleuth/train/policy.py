@@ -236,6 +236,8 @@ class Policy:
     def _quantized_tables(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, dequantized table) of a 4-bit token embedding (quantized_embedding.py), which
         holds buffers rather than a parameter."""
+        if self.model_cfg.quantization != "nf4":  # the only mode that makes one (load_base_model)
+            return
         from sleuth.train.quantized_embedding import NF4Embedding
 
         for name, m in self.causal_lm.named_modules():
