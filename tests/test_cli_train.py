@@ -87,6 +87,34 @@ def test_refuses_to_overwrite_a_run(tmp_path, capsys):
     assert "not a sleuth run directory" in capsys.readouterr().err
 
 
+def test_sigterm_that_a_library_swallows_is_still_an_interrupt(monkeypatch, capsys):
+    """SIGTERM raises KeyboardInterrupt wherever the command is; numpy's import once swallowed it
+    half-way and failed later with AttributeError: that is exit 130, not a traceback. Any other
+    failure still propagates."""
+    import argparse
+    import signal
+    import time
+
+    import sleuth.cli as cli
+
+    def command(args) -> int:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            pass  # swallowed, as inside numpy's import
+        raise AttributeError("module 'numpy' has no attribute 'ndarray'")
+
+    parser = argparse.ArgumentParser()
+    parser.set_defaults(func=command)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    assert cli.main([]) == 130
+    assert capsys.readouterr().err == "sleuth: interrupted\n"
+    parser.set_defaults(func=lambda args: [][0])  # no signal: a real bug still raises
+    with pytest.raises(IndexError):
+        cli.main([])
+
+
 def test_console_script_exit_code(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "sleuth", "train", "--dry-run", "loop.iterations=0"],
                           capture_output=True, text=True, timeout=120)

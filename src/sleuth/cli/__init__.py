@@ -30,9 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_terminated = False
+"""Set by SIGTERM: whatever the command then fails with is the interrupt's doing."""
+
+
 def _terminate(signum: int, frame: object) -> None:
     # SIGTERM (schedulers, `docker stop`) ends a command the way Ctrl-C does; `sleuth train`
     # installs its own handler that checkpoints first.
+    global _terminated
+    _terminated = True
     raise KeyboardInterrupt
 
 
@@ -45,6 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except UserError as e:
             print(f"sleuth: error: {e}", file=sys.stderr)
             return 2
+    global _terminated
+    _terminated = False
     parser = build_parser()
     args = parser.parse_args(argv)
     previous = None
@@ -63,6 +71,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("sleuth: interrupted", file=sys.stderr)
         return 130
+    except Exception:
+        # The KeyboardInterrupt can land inside a library's import, which may swallow it half-way
+        # and fail later (numpy did: "module 'numpy' has no attribute 'ndarray'"): still an interrupt.
+        if _terminated:
+            print("sleuth: interrupted", file=sys.stderr)
+            return 130
+        raise
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
