@@ -125,9 +125,10 @@ class TrainerRank:
         if not self.policy.is_lora:
             return None
         adapter = self.policy.lora_adapter()
-        tensors = {k: (v.full_tensor() if isinstance(v, DTensor) else v).to("cpu", copy=True)
-                   for k, v in adapter.tensors.items()}
-        return dataclasses.replace(adapter, tensors=tensors) if self.rank == 0 else None
+        whole = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in adapter.tensors.items()}
+        if self.rank != 0:  # it joined the gathers; only rank 0's copy leaves
+            return None
+        return dataclasses.replace(adapter, tensors={k: v.to("cpu", copy=True) for k, v in whole.items()})
 
     def export(self, out_dir: str) -> None:
         """Rank 0 writes the merged weights as a plain HF folder; collective."""
