@@ -6,6 +6,8 @@
    rollout worker (transformers engine) through Ray's object store (sleuth.sync.RayTransport, the
    loop's path) against the same engine in this process (InProcessTransport). Median of 3.
 2. LoRA sync: the default's adapter (rank 16, all linear layers) the same two ways. Median of 5.
+   Both also through cluster/collective.py's broadcast group (gloo here, the NCCL path's code):
+   the driver broadcasts the same buckets to the worker (cluster.weight_transport=collective).
 3. One iteration of the embedded default (SmolLM2, LoRA, Temporal Clue, vLLM when installed) with
    1 trainer (the driver) + 1 rollout worker on Ray against the in-process run, both at this
    machine's cores, evaluation off; the second iteration's time/iteration_s is compared (the first
@@ -31,10 +33,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from sleuth.cli.train import default_config_path
+from sleuth.cluster.collective import CollectiveTransport, LocalSender
 from sleuth.config import ClusterConfig, RolloutConfig, load_config
 from sleuth.hardware import cpu_description
 from sleuth.models import SMOLLM2_ALIAS, resolve_model_path
@@ -76,19 +80,27 @@ def bench_sync(folder: str) -> dict[str, float]:
              logging_level="warning", object_store_memory=2 * 1024**3)
     pool = RolloutPool(rollout, ClusterConfig(), folder, cfg.model.dtype, 0,
                        [WorkerSpec("rollout", 0, cores, 0)])
+    # the same tensors as the other two paths (read once above), so every path does the same work:
+    # pack into buckets, move them, load them into the engine
+    fixed = SimpleNamespace(is_lora=True, sync_state=lambda: full, lora_adapter=lambda: adapter)
     try:
         progress("full-weight sync")
         ray_full, nbytes = timed(lambda: RayTransport().send_full(pool, full), 3)
         local_full, _ = timed(lambda: InProcessTransport().send_full(local, full), 3)
+        collective = CollectiveTransport(pool, LocalSender(fixed), "gloo", 600)
+        collective.connect()
+        coll_full, _ = timed(lambda: collective.stage(fixed, "full", False)(pool), 3)
         progress("LoRA sync")
         ray_lora, lora_bytes = timed(lambda: RayTransport().send_adapter(pool, adapter), 5)
         local_lora, _ = timed(lambda: InProcessTransport().send_adapter(local, adapter), 5)
+        coll_lora, _ = timed(lambda: collective.stage(fixed, "adapter", False)(pool), 5)
+        assert collective._restarts_seen == pool.restarts, "the broadcast fell back to the object store"
     finally:
         pool.close()
         local.close()
         ray.shutdown()
-    return {"full_bytes": nbytes, "ray_full_s": ray_full, "local_full_s": local_full,
-            "lora_bytes": lora_bytes, "ray_lora_s": ray_lora, "local_lora_s": local_lora}
+    return {"full_bytes": nbytes, "ray_full_s": ray_full, "local_full_s": local_full, "coll_full_s": coll_full,
+            "lora_bytes": lora_bytes, "ray_lora_s": ray_lora, "local_lora_s": local_lora, "coll_lora_s": coll_lora}
 
 
 def one_iteration(on_ray: bool, out: Path, extra: tuple[str, ...] = ()) -> float:
@@ -201,13 +213,14 @@ def main() -> None:
     folder = str(resolve_model_path(SMOLLM2_ALIAS))
     s = bench_sync(folder)
     gb = s["full_bytes"] / 1e9
-    print("| sync | bytes | Ray s | in-process s | Ray GB/s |")
-    print("|---|---|---|---|---|")
-    print(f"| full weights | {s['full_bytes']:.0f} | {s['ray_full_s']:.3f} | {s['local_full_s']:.3f} | "
-          f"{gb / s['ray_full_s']:.2f} |")
-    print(f"| LoRA adapter | {s['lora_bytes']:.0f} | {s['ray_lora_s'] * 1e3:.1f} ms | "
-          f"{s['local_lora_s'] * 1e3:.1f} ms | |")
-    line = f"sync_gb_s={gb / s['ray_full_s']:.3f} lora_sync_ms={s['ray_lora_s'] * 1e3:.1f}"
+    print("| sync | bytes | Ray object store s | gloo broadcast s | in-process s | object store GB/s | broadcast GB/s |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| full weights | {s['full_bytes']:.0f} | {s['ray_full_s']:.3f} | {s['coll_full_s']:.3f} | "
+          f"{s['local_full_s']:.3f} | {gb / s['ray_full_s']:.2f} | {gb / s['coll_full_s']:.2f} |")
+    print(f"| LoRA adapter | {s['lora_bytes']:.0f} | {s['ray_lora_s'] * 1e3:.1f} ms | {s['coll_lora_s'] * 1e3:.1f} ms | "
+          f"{s['local_lora_s'] * 1e3:.1f} ms | | |")
+    line = (f"sync_gb_s={gb / s['ray_full_s']:.3f} lora_sync_ms={s['ray_lora_s'] * 1e3:.1f} "
+            f"broadcast_gb_s={gb / s['coll_full_s']:.3f} broadcast_lora_ms={s['coll_lora_s'] * 1e3:.1f}")
     if not a.skip_iteration:
         with tempfile.TemporaryDirectory() as tmp:
             progress("default iteration in one process")

@@ -71,6 +71,14 @@ def _sleuth(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def test_weight_transport_is_one_of_its_names():
+    assert load_config(None, []).cluster.weight_transport == "auto"
+    assert load_config(None, ["cluster.weight_transport=collective"]).cluster.weight_transport == "collective"
+    with pytest.raises(ConfigError, match=r"cluster\.weight_transport.*unknown value 'nccl'; choose from auto, "
+                                          r"collective, object_store"):
+        load_config(None, ["cluster.weight_transport=nccl"])
+
+
 def test_unreachable_address_is_one_line_and_exit_2(tmp_path):
     port = _free_port()  # nothing listens there
     t = time.monotonic()

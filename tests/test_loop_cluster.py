@@ -97,9 +97,12 @@ def test_default_run_never_imports_ray(setup, monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_rollout_workers_match_one_process_even_when_one_is_killed(setup, tmp_path):
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_two_rollout_workers_match_one_process_even_when_one_is_killed(setup, tmp_path, transport):
+    """collective: the driver broadcasts the adapter over a gloo group; the killed worker gets the
+    weights through the object store and the group is built again with its new process."""
     _, args, want = setup
-    run = Cli([*args, *RAY, "--out", str(tmp_path / "run")], tmp_path)
+    run = Cli([*args, *RAY, f"cluster.weight_transport={transport}", "--out", str(tmp_path / "run")], tmp_path)
     pid = int(run.wait_for(r"rollout worker 1: pid (\d+)").group(1))
     run.wait_for(r"^iter 1/")
     os.kill(pid, signal.SIGKILL)  # during iteration 2 (generation, or the step before its sync)
@@ -108,6 +111,9 @@ def test_two_rollout_workers_match_one_process_even_when_one_is_killed(setup, tm
     assert_same_run(got, want)  # every group of every iteration, the same samples
     assert got[-1]["rollout/worker_restarts"] == 1
     assert got[0]["rollout/worker_restarts"] == 0
+    # the killed worker was served through the object store at most once; every other sync (the one
+    # right after the restart included, over the rebuilt group) went out as a broadcast
+    assert got[-1]["sync/broadcast_fallbacks"] <= (1 if transport == "collective" else 0)
 
 
 @pytest.mark.slow
@@ -124,18 +130,21 @@ def test_driver_killed_then_resumed_continues_exactly(setup, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_trainer_ranks_and_two_rollout_workers_match_one_process(setup, tmp_path):
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_two_trainer_ranks_and_two_rollout_workers_match_one_process(setup, tmp_path, transport):
     """FSDP2 ranks (gloo) and rollout workers as Ray actors, all started by `sleuth train`: the same
-    rewards and tokens as one process, losses equal up to the sharded gradient sums' rounding."""
+    rewards and tokens as one process, losses equal up to the sharded gradient sums' rounding.
+    collective: trainer rank 0 broadcasts the weights to the workers (the driver never sees them)."""
     _, args, want = setup
     workers = ["cluster.trainer_workers=2", "cluster.rollout_workers=2", "cluster.cpus_per_worker=0.5",
-               "cluster.object_store_gb=0.1"]
+               "cluster.object_store_gb=0.1", f"cluster.weight_transport={transport}"]
     run = Cli([*args, *workers, "--out", str(tmp_path / "run")], tmp_path)
     assert run.finish() == 0, "".join(run.err)[-3000:]
     assert any("trainer rank 1: pid" in line for line in run.err)
     got = read_metrics(tmp_path / "run")
     worst = assert_same_run(got, want)
     print(f"largest loss difference, 2 trainer ranks + 2 rollout workers vs one process: {worst:.2e}")
+    assert got[-1]["sync/broadcast_fallbacks"] == 0
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()  # exported by rank 0
 
 

@@ -372,6 +372,11 @@ class ClusterConfig(Section):
     sync_timeout_s: float = Field(600.0, gt=0)
     """One weight sync from the trainer to every rollout worker must finish within this, else the run
     stops with WeightSyncTimeoutError naming the worker."""
+    weight_transport: Literal["auto", "object_store", "collective"] = "auto"
+    """How weights reach the rollout workers: "object_store" (byte buckets through Ray's object
+    store, read by each worker), "collective" (a torch.distributed broadcast from the process that
+    holds the weights, the driver or trainer rank 0: NCCL between GPUs, gloo on CPU), "auto"
+    (collective when the trainer and the rollout workers are on GPUs, else object_store)."""
 
     @field_validator("address")
     @classmethod

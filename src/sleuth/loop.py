@@ -202,13 +202,12 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     writer = MetricsWriter(run_dir, cfg.logging, config=cfg.model_dump(mode="json"))
     if resume:  # forget what was logged after the checkpoint (everything, when there is none)
         writer.truncate_after(start if latest is not None else -1)
-    if cluster is not None:  # rollout workers on Ray; weights reach them through its object store
+    if cluster is not None:  # rollout workers on Ray; weights reach them as cluster.weight_transport says
         from sleuth.cluster.rollout_pool import RolloutPool
-        from sleuth.sync import RayTransport
 
         engine: RolloutEngine = RolloutPool.from_config(cfg, placement, model_path, dtype)
         print("\n".join(engine.placement_lines()), file=sys.stderr)
-        sync = WeightSync(policy, engine, RayTransport())
+        sync = WeightSync(policy, engine, cluster_transport(cfg, placement, policy, engine))
     else:
         engine = make_engine(cfg.rollout, model_path, dtype, cfg.loop.seed)
         sync = WeightSync(policy, engine)
@@ -222,6 +221,23 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
                                                              train_sampling(cfg))
     return Run(cfg, run_dir, task, policy, trainer, engine, sync, writer, checkpoints, verifier, eval_problems,
                dtype, start, state, episodes, cluster=cluster)
+
+
+def cluster_transport(cfg: Config, placement: list[Any], policy: Any, pool: Any) -> Any:
+    """RayTransport (the object store) or a CollectiveTransport from the weights' holder (the
+    driver's policy, or trainer rank 0) to the rollout workers (cluster.weight_transport)."""
+    from sleuth.cluster.collective import CollectiveTransport, LocalSender, choose_backend
+    from sleuth.sync import RayTransport
+
+    gpus = {kind: any(a.spec.gpus > 0 for a in placement if a.spec.kind == kind) for kind in ("trainer", "rollout")}
+    trainer_on_gpu = gpus["trainer"] if cfg.cluster.trainer_workers > 1 else policy.device.type == "cuda"
+    backend = choose_backend(cfg.cluster.weight_transport, trainer_on_gpu, gpus["rollout"])
+    if backend is None:
+        return RayTransport()
+    sender = policy if cfg.cluster.trainer_workers > 1 else LocalSender(policy)
+    transport = CollectiveTransport(pool, sender, backend, cfg.cluster.sync_timeout_s)
+    transport.connect()
+    return transport
 
 
 def train_sampling(cfg: Config) -> SamplingParams:
@@ -287,7 +303,9 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO | None =
                 #    generation under way; then the curriculum moves on if this batch earned it.
                 metrics.update(queue.sync(run.sync, version=it, changed=bool(batch.groups)))
                 if run.cluster is not None:  # restarted rollout workers so far (each re-synced)
-                    metrics["rollout/worker_restarts"] = run.engine.stats().get("worker_restarts", 0.0)
+                    pool_stats = run.engine.stats()
+                    metrics["rollout/worker_restarts"] = pool_stats.get("worker_restarts", 0.0)
+                    metrics["sync/broadcast_fallbacks"] = pool_stats.get("broadcast_fallbacks", 0.0)
                 if curriculum.update(batch.reward_mean):
                     print(f"curriculum: reward {batch.reward_mean:.3f} -> difficulty {curriculum.level}",
                           file=out, flush=True)

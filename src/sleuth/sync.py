@@ -10,11 +10,14 @@ Two paths:
   tensors move (r x (in + out) per adapted module), the engine applies them.
 - full: the policy's full weights with any LoRA merged in (Policy.sync_state, HF names).
 
-How tensors reach the engine is a Transport. InProcessTransport calls the engine's methods in this
-process; RayTransport puts the weights into Ray's object store once, as flat byte buckets, for every
-rollout worker of a RolloutPool (cluster/rollout_pool.py) to read; the pool bounds each sync by
-cluster.sync_timeout_s. (On GPUs a NCCL broadcast from trainer rank 0 to the workers would skip the
-object store; it is not built: nothing here could test it.)
+How tensors reach the engine is a Transport. A sync is two moves: `stage` reads the weights (a
+copy when the trainer goes on changing them before the send: overlapped rollouts), and the function
+it returns sends them. InProcessTransport calls the engine's methods in this process; RayTransport
+puts the weights into Ray's object store once, as flat byte buckets, for every rollout worker of a
+RolloutPool (cluster/rollout_pool.py) to read; cluster/collective.py's CollectiveTransport has the
+process holding the weights (the driver, or FSDP2 trainer rank 0) broadcast them to the workers over
+a torch.distributed group (NCCL on GPUs, gloo on CPU), so they never pass through the driver. The
+pool bounds each sync by cluster.sync_timeout_s.
 """
 
 from __future__ import annotations
@@ -53,15 +56,50 @@ class WeightSource(Protocol):
     def lora_adapter(self) -> LoraAdapter: ...
 
 
+Send = Callable[[RolloutEngine], int]
+"""Sends staged weights to an engine; returns the bytes it moved."""
+
+
 class Transport(Protocol):
-    """Moves weights into an engine. Returns the bytes it moved."""
+    """Moves weights into an engine."""
 
-    def send_full(self, engine: RolloutEngine, tensors: Iterable[tuple[str, torch.Tensor]]) -> int: ...
+    def stage(self, source: WeightSource, mode: SyncMode, copy: bool) -> Send:
+        """Read the source's weights now (copy=True: a copy the trainer's next steps leave alone);
+        the function returned sends what was read."""
+        ...
 
-    def send_adapter(self, engine: RolloutEngine, adapter: LoraAdapter) -> int: ...
+
+def read_weights(source: WeightSource, mode: SyncMode, copy: bool) -> LoraAdapter | list[tuple[str, torch.Tensor]]:
+    """The adapter (mode "adapter") or the full merged weights of `source`, as of now.
+
+    copy=True copies only trained tensors: a LoRA policy's frozen base weights stay shared, and its
+    merged weights are new tensors anyway; a full fine-tune's are its parameters, changed in place."""
+    with torch.no_grad():
+        if mode == "adapter":
+            adapter = source.lora_adapter()
+            return replace(adapter, tensors={n: t.clone() for n, t in adapter.tensors.items()}) if copy else adapter
+        clone = copy and not source.is_lora
+        return [(n, t.clone() if clone else t) for n, t in source.sync_state()]
 
 
-class InProcessTransport:
+class TensorTransport:
+    """A transport whose weights are read in this process and handed over as tensors: subclasses
+    define send_full and send_adapter (each returns the bytes it moved)."""
+
+    def send_full(self, engine: Any, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        raise NotImplementedError
+
+    def send_adapter(self, engine: Any, adapter: LoraAdapter) -> int:
+        raise NotImplementedError
+
+    def stage(self, source: WeightSource, mode: SyncMode, copy: bool) -> Send:
+        weights = read_weights(source, mode, copy)
+        if isinstance(weights, LoraAdapter):
+            return lambda engine: self.send_adapter(engine, weights)
+        return lambda engine: self.send_full(engine, weights)
+
+
+class InProcessTransport(TensorTransport):
     """The engine lives in this process: hand it the tensors (its worker thread copies them)."""
 
     def send_full(self, engine: RolloutEngine, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -81,7 +119,7 @@ class InProcessTransport:
         return adapter.nbytes
 
 
-class RayTransport:
+class RayTransport(TensorTransport):
     """The engine is a RolloutPool of Ray actors: full weights go into the object store once, packed
     in buckets, and every worker reads them from there; an adapter goes in as one object."""
 
@@ -142,38 +180,23 @@ class WeightSync:
     def push(self) -> SyncStats:
         """Send the policy's current weights (the adapter, or the full merged weights)."""
         start = time.perf_counter()
+        send = self.transport.stage(self.policy, self.mode, copy=False)
         with torch.no_grad():
-            if self.mode == "adapter":
-                moved = self.transport.send_adapter(self.engine, self.policy.lora_adapter())
-            else:
-                moved = self.transport.send_full(self.engine, self.policy.sync_state())
+            moved = send(self.engine)
         return SyncStats(self.mode, moved, time.perf_counter() - start)
 
     def snapshot(self) -> Callable[[], SyncStats]:
         """A copy of the policy's current weights now, and a function that pushes that copy later.
 
         For rollouts overlapped with training: the trainer changes its tensors in place while the
-        engine finishes generating, so what is pushed must be copied first. Only trained tensors are
-        copied (a LoRA policy's frozen base weights stay shared; merged ones are new tensors anyway).
+        engine finishes generating, so what is pushed must be copied first (read_weights, copy=True).
         """
-        with torch.no_grad():
-            if self.mode == "adapter":
-                adapter = self.policy.lora_adapter()
-                adapter = replace(adapter, tensors={n: t.clone() for n, t in adapter.tensors.items()})
-
-                def send() -> int:
-                    return self.transport.send_adapter(self.engine, adapter)
-            else:
-                copy = not self.policy.is_lora
-                tensors = [(n, t.clone() if copy else t) for n, t in self.policy.sync_state()]
-
-                def send() -> int:
-                    return self.transport.send_full(self.engine, tensors)
+        send = self.transport.stage(self.policy, self.mode, copy=True)
 
         def push() -> SyncStats:
             start = time.perf_counter()
             with torch.no_grad():
-                moved = send()
+                moved = send(self.engine)
             return SyncStats(self.mode, moved, time.perf_counter() - start)
 
         return push
@@ -236,11 +259,16 @@ def _bucket(parts: list[tuple[str, torch.Tensor]]) -> Bucket:
 def unpack(bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) views into the bucket's bytes (read-only when they come from the object
     store: the reader copies them into its own weights)."""
-    flat = None
+    flat = torch.empty(0, dtype=torch.uint8)
     if bucket.nbytes:
         with warnings.catch_warnings():  # "buffer is not writable": we only read it
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(memoryview(bucket.data), dtype=torch.uint8)
-    for name, dtype, shape, offset, n in bucket.entries:
-        raw = flat[offset:offset + n] if flat is not None else torch.empty(0, dtype=torch.uint8)
-        yield name, raw.view(getattr(torch, dtype)).reshape(shape)
+    return views(flat, bucket.entries)
+
+
+def views(flat: torch.Tensor, entries: list[tuple[str, str, tuple[int, ...], int, int]]
+          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) views into a bucket's bytes held as a flat uint8 tensor (on any device)."""
+    for name, dtype, shape, offset, n in entries:
+        yield name, flat[offset:offset + n].view(getattr(torch, dtype)).reshape(tuple(shape))

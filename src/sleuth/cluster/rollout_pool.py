@@ -26,14 +26,16 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 from sleuth.cluster.runtime import Assignment, ClusterError, WorkerSpec
 from sleuth.config import ClusterConfig, Config, RolloutConfig
 from sleuth.records import LoraAdapter
 from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
 from sleuth.sync import Bucket, RayTransport, unpack
+
+T = TypeVar("T")
 
 MAX_RESTARTS = 4
 """Ray restarts a dead rollout worker this many times in a run before the run stops."""
@@ -65,6 +67,8 @@ class RolloutWorker:
         self.engine: RolloutEngine | None = None
         self.version = 0
         """Weights version: 0 = the model folder's weights; the pool's sync counter after a sync."""
+        self.channel: Any = None
+        """This worker's end of the weight broadcast group (cluster/collective.py), once joined."""
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -103,6 +107,29 @@ class RolloutWorker:
         self.version = version
         return sum(b.nbytes for b in buckets)
 
+    async def join_weight_group(self, address: tuple[str, int], rank: int, world: int, backend: str,
+                                timeout_s: float) -> None:
+        from sleuth.cluster.collective import Channel
+
+        self.channel = Channel(backend)
+        await asyncio.to_thread(self.channel.join, rank, world, timeout_s, tuple(address))
+
+    async def receive_weights(self, version: int) -> int:
+        """Receive one broadcast from the group's rank 0 and load it; returns the bytes received."""
+        from sleuth.cluster.collective import received
+
+        engine, channel = self.engine, self.channel
+        if engine is None or channel is None or not channel.joined:
+            raise StaleWeights("worker is not in the weight-sync group")
+        header, flats = await asyncio.to_thread(channel.receive)
+        weights = received(header, flats)
+        if isinstance(weights, LoraAdapter):
+            await asyncio.to_thread(engine.sync_lora, weights)
+        else:
+            await asyncio.to_thread(engine.sync_weights, weights)
+        self.version = version
+        return sum(int(f.numel()) for f in flats)
+
     async def load_lora(self, adapter: LoraAdapter, version: int) -> None:
         if self.engine is None:
             raise StaleWeights("worker engine not started")
@@ -140,8 +167,9 @@ class RolloutPool(RolloutEngine):
         self._load = [0] * len(self.workers)
         self._locks = [threading.Lock() for _ in self.workers]
         self._version = 0
-        self._latest: tuple[str, Any] | None = None  # ("full", bucket refs) or ("lora", adapter ref)
-        self._counts = {"worker_restarts": 0, "syncs": 0}
+        self._latest: tuple[str, Any] | None = None
+        """("full", bucket refs), ("lora", adapter ref) or ("collective", a function giving one of those)."""
+        self._counts = {"worker_restarts": 0, "syncs": 0, "broadcast_fallbacks": 0}
         infos = self._get([w.info.remote() for w in self.workers], cluster_cfg.connect_timeout_s,
                           "placing the rollout workers (cluster.connect_timeout_s)")
         self.placement = infos
@@ -283,21 +311,57 @@ class RolloutPool(RolloutEngine):
         """Every worker applies this LoRA adapter (an object ref); kept for workers that restart."""
         self._sync(("lora", ref))
 
+    @property
+    def restarts(self) -> int:
+        """Workers restarted so far (a restarted worker has left the weight broadcast group)."""
+        return self._counts["worker_restarts"]
+
+    def join_weight_group(self, address: tuple[str, int], world: int, backend: str, timeout_s: float,
+                          join_sender: Callable[[], None]) -> None:
+        """Every worker joins the broadcast group hosted at `address` (as ranks 1..N), while
+        `join_sender` joins it as rank 0 in this thread."""
+        refs = [w.join_weight_group.remote(address, i + 1, world, backend, timeout_s)
+                for i, w in enumerate(self.workers)]
+        join_sender()
+        self._get(refs, timeout_s, "joining the weight-sync group (cluster.sync_timeout_s)")
+
+    def broadcast_sync(self, broadcast: Callable[[], int], object_payload: Callable[[], tuple[str, Any]]) -> bool:
+        """A sync through the broadcast group: every worker receives while `broadcast` sends. False
+        when the broadcast failed and the workers got `object_payload()` through the object store."""
+        return self._sync(("collective", _once(object_payload)), broadcast)
+
     def _send(self, i: int, payload: tuple[str, Any], version: int) -> Any:
         kind, data = payload
+        if kind == "collective":  # outside the broadcast: the same weights through the object store
+            kind, data = data()
         if kind == "full":
             return self.workers[i].load_weights.remote(data, version)
         return self.workers[i].load_lora.remote(data, version)
 
-    def _sync(self, payload: tuple[str, Any]) -> None:
-        """Send payload to every worker and wait, at most cluster.sync_timeout_s in all."""
+    def _sync(self, payload: tuple[str, Any], broadcast: Callable[[], int] | None = None) -> bool:
+        """Send payload to every worker and wait, at most cluster.sync_timeout_s in all. With
+        `broadcast`, the workers receive it from the collective group instead; if the broadcast
+        fails they get the payload through the object store (returns False)."""
         import ray
+
+        from sleuth.cluster.collective import CollectiveError
 
         t0 = time.perf_counter()
         self._version += 1
         self._latest = payload  # kept (in the object store) for workers that restart later
         version = self._version
-        pending = {self._send(i, payload, version): i for i in range(len(self.workers))}
+        workers = range(len(self.workers))
+        collective_ok = broadcast is not None
+        if broadcast is not None:
+            pending = {self.workers[i].receive_weights.remote(version): i for i in workers}
+            try:
+                broadcast()
+            except CollectiveError:  # a member is gone; the receives still waiting are left behind
+                collective_ok = False
+                self._counts["broadcast_fallbacks"] += 1
+                pending = {self._send(i, payload, version): i for i in workers}
+        else:
+            pending = {self._send(i, payload, version): i for i in workers}
         deadline = t0 + self.sync_timeout_s
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.perf_counter()))
@@ -311,8 +375,11 @@ class RolloutPool(RolloutEngine):
             except ray.exceptions.RayActorError as e:  # died while loading: restart + re-sync
                 self._recover(i, e)
             except ray.exceptions.RayTaskError as e:
-                raise e.cause from None
+                if not isinstance(e.cause, StaleWeights):
+                    raise e.cause from None
+                self._recover(i, e.cause)  # not in the broadcast group (restarted): the object store
         self._counts["syncs"] += 1
+        return collective_ok
 
     # ------------------------------------------------------------------ the rest
 
@@ -356,6 +423,19 @@ class RolloutPool(RolloutEngine):
             raise ClusterError(f"{what}: not done within {timeout:g} s") from None
         except ray.exceptions.RayTaskError as e:
             raise e.cause from None
+
+
+def _once(fn: Callable[[], T]) -> Callable[[], T]:
+    """fn, called at most once (its result kept): one object-store copy per sync, however many
+    workers need it."""
+    result: list[T] = []
+
+    def call() -> T:
+        if not result:
+            result.append(fn())
+        return result[0]
+
+    return call
 
 
 def _position(requests: Sequence[GenerationRequest], request: GenerationRequest, taken: dict[int, Any]) -> int:

@@ -54,6 +54,8 @@ class TrainerRank:
         self.total_steps, self.max_tokens, self.seed = total_steps, max_tokens, seed
         self.policy: Any = None
         self.trainer: Any = None
+        self.sender: Any = None
+        """Rank 0's end of the weight broadcast group to the rollout workers (cluster/collective.py)."""
 
     def pid(self) -> int:
         return os.getpid()
@@ -129,6 +131,28 @@ class TrainerRank:
         if self.rank != 0:  # it joined the gathers; only rank 0's copy leaves
             return None
         return dataclasses.replace(adapter, tensors={k: v.to("cpu", copy=True) for k, v in whole.items()})
+
+    # -- the weight broadcast group (rank 0 is its sender; cluster/collective.py's Sender protocol)
+
+    def host_weight_group(self, world: int, backend: str, timeout_s: float) -> tuple[str, int]:
+        from sleuth.cluster.collective import WeightSender
+
+        self.sender = WeightSender()
+        return self.sender.host(world, backend, timeout_s)
+
+    def join_weight_group(self) -> None:
+        self.sender.join()
+
+    def stage_weights(self, mode: str) -> tuple[int, int] | None:
+        """Gather the adapter or the full merged weights (collective) and stage them on rank 0."""
+        weights = self.lora_adapter() if mode == "adapter" else self.sync_state()
+        return self.sender.stage(weights) if self.rank == 0 else None
+
+    def broadcast_weights(self, token: int) -> int:
+        return self.sender.broadcast(token)
+
+    def staged_payload(self, token: int) -> tuple[str, Any]:
+        return self.sender.payload(token)
 
     def export(self, out_dir: str) -> None:
         """Rank 0 writes the merged weights as a plain HF folder; collective."""
@@ -235,6 +259,23 @@ class TrainerGroup:
             raise ValueError("lora_adapter: the trainer ranks train full weights (model.lora.enabled=false)")
         return adapter
 
+    # -- cluster/collective.py's Sender: rank 0 broadcasts to the rollout workers
+
+    def host_weight_group(self, world: int, backend: str, timeout_s: float) -> tuple[str, int]:
+        return self._all("host_weight_group", world, backend, timeout_s, ranks=[0])[0]
+
+    def join_weight_group(self) -> None:
+        self._all("join_weight_group", ranks=[0])
+
+    def stage_weights(self, mode: str, copy: bool) -> tuple[int, int]:
+        return self._all("stage_weights", mode)[0]  # staging copies: `copy` needs nothing more
+
+    def broadcast_weights(self, token: int) -> int:
+        return self._all("broadcast_weights", token, ranks=[0])[0]
+
+    def staged_payload(self, token: int) -> tuple[str, Any]:
+        return self._all("staged_payload", token, ranks=[0])[0]
+
     def export_merged(self, out_dir: str | Path) -> Path:
         """A plain HF model folder (rank 0 writes it; the driver and rank 0 share a filesystem)."""
         self._all("export", str(out_dir))
@@ -256,6 +297,8 @@ class TrainerGroup:
         """Call `method` on the given ranks (all by default), wait for all; a failure stops the group."""
         import ray
 
+        from sleuth.cluster.collective import CollectiveError
+
         which = list(range(self.world_size)) if ranks is None else ranks
         refs = [getattr(self.ranks[r], method).remote(*args) for r in which]
         pending = list(refs)
@@ -263,7 +306,9 @@ class TrainerGroup:
             done, pending = ray.wait(pending, num_returns=1)
             try:
                 ray.get(done[0])
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                if isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.cause, CollectiveError):
+                    raise e.cause from None  # the broadcast to the rollout workers failed, not a rank
                 # A dead rank leaves the others blocked in a collective; let them fail or finish for
                 # a moment so that the rank that died (not one that only lost its peer) is named.
                 ray.wait(pending, num_returns=len(pending), timeout=5.0)
