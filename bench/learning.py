@@ -30,6 +30,7 @@ from typing import Any
 
 from sleuth.checkpoint import CheckpointManager
 from sleuth.hardware import cpu_description
+from sleuth.metrics import upgrade_row
 from sleuth.scoring import mean_se
 
 ARMS: dict[str, list[str]] = {
@@ -59,15 +60,15 @@ def run_arm(name: str, seed: int, minutes: float, eval_every: int, out: Path) ->
 
 
 def summarize(run_dir: Path, name: str, seed: int, wall_s: float) -> dict[str, Any]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [upgrade_row(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     latest = CheckpointManager(run_dir / "checkpoints").latest()
     if latest is None:  # the budget was spent before a first iteration could start
-        before = after = {"avg": rows[0]["val_reward"], "chance": rows[0].get("val_chance"), "per_problem": [0.0]}
+        before = after = {"avg": rows[0]["val/reward"], "chance": rows[0].get("val/chance"), "per_problem": [0.0]}
     else:
         before, after = latest.state["val_before"], latest.state["val_last"]
     diffs = [a - b for a, b in zip(after["per_problem"], before["per_problem"], strict=True)]
     gain, se = mean_se(diffs)
-    curve = [(r["time/elapsed_min"], r["val_reward"]) for r in rows if "val_reward" in r]
+    curve = [(r["time/elapsed_min"], r["val/reward"]) for r in rows if "val/reward" in r]
     return {"arm": name, "seed": seed, "iterations": rows[-1]["iteration"], "wall_min": wall_s / 60,
             "run_min": rows[-1]["time/elapsed_min"], "before": before["avg"], "after": after["avg"],
             "chance": before.get("chance"), "gain": gain, "gain_se": se, "curve": curve}
@@ -93,6 +94,8 @@ def main() -> None:
     parser.add_argument("--seeds", default="0", help="comma-separated loop.seed values")
     parser.add_argument("--eval-every", type=int, default=4, help="iterations between held-out evaluations")
     parser.add_argument("--out", default=None, help="where the runs go (default: a temporary folder)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="summarize runs already complete in --out instead of running them again")
     args = parser.parse_args()
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
@@ -103,9 +106,15 @@ def main() -> None:
     print(f"# cpu: {cpu_description()}")
     print(f"# {len(arms)} arms x {len(seeds)} seeds, {args.minutes} minutes each, runs in {out}", flush=True)
     results = []
+    earlier = json.loads((out / "learning.json").read_text()) if (out / "learning.json").is_file() else []
+    walls = {(r["arm"], r["seed"]): r["wall_min"] * 60 for r in earlier}
     for name in arms:
         for seed in seeds:
-            results.append(run_arm(name, seed, args.minutes, args.eval_every, out))
+            done = out / f"{name}-seed{seed}"
+            if args.reuse and (done / "model").is_dir():
+                results.append(summarize(done, name, seed, walls.get((name, seed), math.nan)))
+            else:
+                results.append(run_arm(name, seed, args.minutes, args.eval_every, out))
             r = results[-1]
             print(f"# {name} seed {seed}: {r['iterations']} iterations, {r['after']:.3f} after "
                   f"({r['gain']:+.3f} ± {r['gain_se']:.3f})", flush=True)

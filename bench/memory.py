@@ -31,6 +31,7 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from sleuth import loop, sampling
+from sleuth.allocator import allocator_in_use
 from sleuth.cli.train import default_config_path
 from sleuth.config import load_config
 from sleuth.hardware import cpu_description
@@ -98,7 +99,7 @@ def step_only(row_tokens: int, steps: int) -> None:
     from train_step import make_groups  # bench/train_step.py: the same random-id groups
 
     print(f"# cpu: {cpu_description()}", flush=True)
-    print(f"# MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', '-')} "
+    print(f"# allocator: {allocator_in_use()}; MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', '-')} "
           f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '-')}", flush=True)
     model_cfg = ModelConfig(path=str(resolve_model_path(SMOLLM2_ALIAS)), dtype=resolve_dtype("auto"),
                             lora=LoraConfig(enabled=True, rank=16, alpha=32))
@@ -127,8 +128,8 @@ def main() -> None:
         return
     overrides = ["loop.iterations=2", *sys.argv[1:]]
     print(f"# cpu: {cpu_description()}", flush=True)
-    print(f"# overrides: {' '.join(overrides)}; MALLOC_ARENA_MAX={os.environ.get('MALLOC_ARENA_MAX', '-')}",
-          flush=True)
+    print(f"# overrides: {' '.join(overrides)}; allocator: {allocator_in_use()}; "
+          f"MALLOC_ARENA_MAX={os.environ.get('MALLOC_ARENA_MAX', '-')}", flush=True)
     cfg = load_config(default_config_path(), overrides)
     meter = StageMeter()
     meter.wrap(loop.Policy, "from_config", "policy load")

@@ -1,5 +1,6 @@
-"""allocator.py: `sleuth train` keeps glibc malloc unless SLEUTH_ALLOCATOR=jemalloc, which re-executes
-it with jemalloc preloaded (Ray's bundled one); a bad value is one line and exit 2."""
+"""allocator.py: SLEUTH_ALLOCATOR=system|jemalloc|mimalloc re-executes `sleuth train` with that
+allocator preloaded (Ray's bundled jemalloc, the cmeel-mimalloc wheel's mimalloc); a bad value is
+one line and exit 2."""
 
 import os
 import subprocess
@@ -7,18 +8,18 @@ import sys
 
 import pytest
 
-from sleuth.allocator import allocator_in_use, jemalloc_library
+from sleuth.allocator import DEFAULT, PURGE_DELAY_MS, allocator_in_use, jemalloc_library, mimalloc_library
 
 
 def dry_run(tiny, **env: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "SLEUTH_ALLOCATOR")}
+    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "SLEUTH_ALLOCATOR", "MIMALLOC_PURGE_DELAY")}
     return subprocess.run([sys.executable, "-m", "sleuth", "train", "--dry-run", f"model.path={tiny}"],
                           capture_output=True, text=True, timeout=300, env={**clean, **env})
 
 
 @pytest.mark.skipif(jemalloc_library() is None, reason="no jemalloc on this machine (Ray not installed)")
 def test_train_runs_on_jemalloc_when_asked(tiny_model_dir):
-    proc = dry_run(tiny_model_dir)
+    proc = dry_run(tiny_model_dir, SLEUTH_ALLOCATOR="system")
     assert proc.returncode == 0, proc.stderr
     assert "memory allocator: glibc malloc" in proc.stdout.splitlines()
     proc = dry_run(tiny_model_dir, SLEUTH_ALLOCATOR="jemalloc")
@@ -26,13 +27,32 @@ def test_train_runs_on_jemalloc_when_asked(tiny_model_dir):
     assert f"memory allocator: jemalloc ({jemalloc_library()})" in proc.stdout.splitlines()
 
 
+@pytest.mark.skipif(mimalloc_library() is None, reason="cmeel-mimalloc is not installed")
+def test_train_runs_on_mimalloc_with_its_purge_delay(tiny_model_dir):
+    lib = mimalloc_library()
+    proc = dry_run(tiny_model_dir, SLEUTH_ALLOCATOR="mimalloc")
+    assert proc.returncode == 0, proc.stderr
+    assert f"memory allocator: mimalloc ({lib}), purge delay {PURGE_DELAY_MS} ms" in proc.stdout.splitlines()
+    proc = dry_run(tiny_model_dir, SLEUTH_ALLOCATOR="mimalloc", MIMALLOC_PURGE_DELAY="7")  # the user's wins
+    assert f"memory allocator: mimalloc ({lib}), purge delay 7 ms" in proc.stdout.splitlines()
+
+
+def test_the_default_allocator_is_the_documented_one(tiny_model_dir):
+    proc = dry_run(tiny_model_dir)
+    assert proc.returncode == 0, proc.stderr
+    want = "glibc malloc" if DEFAULT == "system" else DEFAULT
+    assert any(line.startswith(f"memory allocator: {want}") for line in proc.stdout.splitlines())
+    assert PURGE_DELAY_MS >= 100  # mimalloc's own 10 ms re-faults every training step
+
+
 def test_unknown_allocator_is_one_line_and_exit_2(tiny_model_dir):
     proc = dry_run(tiny_model_dir, SLEUTH_ALLOCATOR="tcmalloc")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "sleuth: error: SLEUTH_ALLOCATOR='tcmalloc': expected system or jemalloc"]
+        "sleuth: error: SLEUTH_ALLOCATOR='tcmalloc': expected system, jemalloc, mimalloc"]
 
 
 def test_this_process_reports_its_allocator():
-    expected = "jemalloc" if "jemalloc" in os.environ.get("LD_PRELOAD", "") else "glibc malloc"
+    preload = os.environ.get("LD_PRELOAD", "")
+    expected = next((name for name in ("jemalloc", "mimalloc") if name in preload), "glibc malloc")
     assert allocator_in_use().startswith(expected)

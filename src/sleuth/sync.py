@@ -69,16 +69,21 @@ class Transport(Protocol):
         ...
 
 
-def read_weights(source: WeightSource, mode: SyncMode, copy: bool) -> LoraAdapter | list[tuple[str, torch.Tensor]]:
+def read_weights(source: WeightSource, mode: SyncMode, copy: bool) -> LoraAdapter | Iterable[tuple[str, torch.Tensor]]:
     """The adapter (mode "adapter") or the full merged weights of `source`, as of now.
 
-    copy=True copies only trained tensors: a LoRA policy's frozen base weights stay shared, and its
-    merged weights are new tensors anyway; a full fine-tune's are its parameters, changed in place."""
+    copy=False: the full weights come as source.sync_state()'s stream, read (and, with LoRA, merged
+    one tensor at a time) as the send consumes it under torch.no_grad, so no second copy of the
+    model is held. copy=True reads them all now and copies only trained tensors: a LoRA policy's
+    frozen base weights stay shared, and its merged weights are new tensors anyway; a full
+    fine-tune's are its parameters, changed in place."""
     with torch.no_grad():
         if mode == "adapter":
             adapter = source.lora_adapter()
             return replace(adapter, tensors={n: t.clone() for n, t in adapter.tensors.items()}) if copy else adapter
-        clone = copy and not source.is_lora
+        if not copy:
+            return source.sync_state()
+        clone = not source.is_lora
         return [(n, t.clone() if clone else t) for n, t in source.sync_state()]
 
 
@@ -180,9 +185,8 @@ class WeightSync:
     def push(self) -> SyncStats:
         """Send the policy's current weights (the adapter, or the full merged weights)."""
         start = time.perf_counter()
-        send = self.transport.stage(self.policy, self.mode, copy=False)
-        with torch.no_grad():
-            moved = send(self.engine)
+        with torch.no_grad():  # merged weights are computed as the send reads them
+            moved = self.transport.stage(self.policy, self.mode, copy=False)(self.engine)
         return SyncStats(self.mode, moved, time.perf_counter() - start)
 
     def snapshot(self) -> Callable[[], SyncStats]:
@@ -191,7 +195,8 @@ class WeightSync:
         For rollouts overlapped with training: the trainer changes its tensors in place while the
         engine finishes generating, so what is pushed must be copied first (read_weights, copy=True).
         """
-        send = self.transport.stage(self.policy, self.mode, copy=True)
+        with torch.no_grad():
+            send = self.transport.stage(self.policy, self.mode, copy=True)
 
         def push() -> SyncStats:
             start = time.perf_counter()

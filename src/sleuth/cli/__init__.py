@@ -44,10 +44,10 @@ def _terminate(signum: int, frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None and sys.argv[1:2] == ["train"]:  # the command line, not a call from Python
-        from sleuth.allocator import use_jemalloc
+        from sleuth.allocator import use_allocator
 
         try:
-            use_jemalloc(sys.argv[1:])  # returns only when it leaves the allocator as it is
+            use_allocator(sys.argv[1:])  # returns only when it leaves the allocator as it is
         except UserError as e:
             print(f"sleuth: error: {e}", file=sys.stderr)
             return 2

@@ -24,7 +24,7 @@ from __future__ import annotations
 import datetime
 import json
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -153,10 +153,10 @@ def _node_ip() -> str:
 class Staged:
     """What rank 0 broadcasts next: the header and the buckets (kept for restarted workers)."""
 
-    def __init__(self, weights: LoraAdapter | list[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, weights: LoraAdapter | Iterable[tuple[str, torch.Tensor]]) -> None:
         if isinstance(weights, LoraAdapter):
             self.kind = "lora"
-            named: list[tuple[str, torch.Tensor]] = list(weights.tensors.items())
+            named: Iterable[tuple[str, torch.Tensor]] = list(weights.tensors.items())
             self.lora = {"rank": weights.rank, "alpha": weights.alpha,
                          "target_modules": list(weights.target_modules)}
         else:
@@ -225,7 +225,7 @@ class WeightSender:
         assert self.channel is not None, "host() first"
         self.channel.join(0, self._world, self.channel.timeout_s)
 
-    def stage(self, weights: LoraAdapter | list[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+    def stage(self, weights: LoraAdapter | Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
         """Copy the weights into buckets (the trainer may change its own at once): (token, bytes)."""
         self._next += 1
         self._staged[self._next] = staged = Staged(weights)
