@@ -179,3 +179,22 @@ def test_nf4_quantizes_a_tied_embedding_and_its_head(tied_dir: Path, tmp_path: P
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.allclose(reloaded(input_ids=ids).logits, lm(input_ids=ids).logits, atol=QUANT_TOL, rtol=0)
+
+
+def test_nf4_weights_keep_their_layout_after_an_inference_forward(tiny_dir: Path) -> None:
+    """bitsandbytes repacks 4-bit weights for an inference-only kernel on AVX512_BF16 CPUs after an
+    eval-mode forward without gradients (no gradient through the layer afterwards, garbage merges);
+    the policy turns that off, so the codes keep their shape and the merge stays exact."""
+    import bitsandbytes as bnb
+
+    policy = quantized_policy(tiny_dir, "nf4")
+    layers = [m for m in policy.causal_lm.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and not any(m.support_avx512bf16_for_cpu for m in layers)
+    shapes = [tuple(m.weight.shape) for m in layers]
+    ids = torch.tensor([list(range(30, 50))])
+    policy.causal_lm.eval()
+    with torch.no_grad():
+        adapted = policy.causal_lm(input_ids=ids).logits
+        assert [tuple(m.weight.shape) for m in layers] == shapes
+        merged = dict(policy.sync_state())
+        assert torch.allclose(plain_model(tiny_dir, merged)(input_ids=ids).logits, adapted, atol=QUANT_TOL, rtol=0)

@@ -361,7 +361,22 @@ def load_base_model(model_cfg: ModelConfig, device: torch.device) -> Any:
         from sleuth.train.quantized_embedding import quantize_embeddings
 
         quantize_embeddings(model, _torch_dtype(model_cfg.dtype))
+        keep_4bit_layout(model)
     return model
+
+
+def keep_4bit_layout(model: Any) -> None:
+    """Keep bitsandbytes' 4-bit weights in their canonical layout on CPU.
+
+    On a CPU with AVX512_BF16, bitsandbytes 0.50 repacks a Linear4bit's weight in place the first
+    time it runs in eval mode without gradients, and from then on multiplies with an inference-only
+    kernel: no gradient flows back through the layer (so the adapters below it stop learning), the
+    numbers move (~1e-2 in the tiny model's logits), and the repacked codes no longer dequantize to
+    the layer's weight (merged weights for sync and export were garbage). The policy runs such
+    forwards (reference and old logprobs), so it turns the repacking off."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def quantization_config(name: str, dtype: str) -> Any:
