@@ -107,3 +107,49 @@ def test_group_steps_checkpoints_and_reports_a_dead_rank(local_ray, tmp_path: Pa
         assert "trainer rank 1 died" in message and str(saved) in message
     finally:
         group.close()
+
+
+@pytest.mark.slow
+def test_rank0_broadcasts_full_weights_to_a_rollout_worker(local_ray, tmp_path: Path) -> None:
+    """cluster.weight_transport=collective with FSDP2 ranks (full fine-tuning): rank 0 gathers the
+    weights and broadcasts them (gloo) to a rollout worker, which then generates what an engine
+    holding the same weights in this process generates, and no longer what it generated before."""
+    from sleuth.cluster.collective import CollectiveTransport
+    from sleuth.cluster.rollout_pool import RolloutPool
+    from sleuth.cluster.runtime import WorkerSpec
+    from sleuth.config import ClusterConfig, RolloutConfig
+    from sleuth.records import SamplingParams
+    from sleuth.rollout.base import GenerationRequest
+    from sleuth.rollout.factory import make_engine
+    from sleuth.sync import InProcessTransport, WeightSync
+
+    tiny = write_tiny_model(tmp_path / "tiny", hidden=32)
+    cfg = load_config(None, [f"model.path={tiny}", "model.dtype=float32", "model.lora.enabled=false",
+                             "trainer.lr=0.05", "trainer.row_tokens=40", "rollout.max_tokens=8", "loop.seed=5"])
+    rollout = RolloutConfig(engine="hf", max_tokens=8)
+    group = TrainerGroup(cfg, world_size=2, cpus_per_worker=0.5)
+    pool = RolloutPool(rollout, ClusterConfig(), str(tiny), "float32", 0, [WorkerSpec("rollout", 0, 0.5, 0)])
+    local = make_engine(rollout, str(tiny), "float32", 0)
+    reqs = [GenerationRequest([5 + j] * 4, n=4, request_id=f"r{j}", sampling=SamplingParams(max_tokens=8, seed=j))
+            for j in range(4)]
+
+    def tokens(engine) -> list:
+        return [[s.token_ids for s in r.samples] for r in engine.generate_all(reqs)]
+
+    try:
+        before = tokens(pool)
+        group.step(random_groups(23, n_groups=2, n_comp=3))  # the weights move off the folder's
+        transport = CollectiveTransport(pool, group, "gloo", 60)
+        transport.connect()
+        stats = WeightSync(group, pool, transport).push()
+        assert stats.mode == "full"
+        assert transport._restarts_seen == pool.restarts and pool.stats()["broadcast_fallbacks"] == 0
+        moved = InProcessTransport().send_full(local, group.sync_state())
+        assert stats.bytes >= moved > 0
+        after = tokens(pool)
+        assert after == tokens(local)
+        assert after != before
+    finally:
+        pool.close()
+        local.close()
+        group.close()

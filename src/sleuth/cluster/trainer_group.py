@@ -144,9 +144,17 @@ class TrainerRank:
         self.sender.join()
 
     def stage_weights(self, mode: str) -> tuple[int, int] | None:
-        """Gather the adapter or the full merged weights (collective) and stage them on rank 0."""
-        weights = self.lora_adapter() if mode == "adapter" else self.sync_state()
-        return self.sender.stage(weights) if self.rank == 0 else None
+        """Gather the adapter or the full merged weights (collective) and stage them on rank 0:
+        the gathered tensors are copied once, into the staging buckets."""
+        import torch
+
+        from sleuth.train.fsdp import gathered
+
+        if mode == "adapter":
+            adapter = self.lora_adapter()
+            return self.sender.stage(adapter) if self.rank == 0 else None
+        with torch.no_grad(), gathered(self.policy):
+            return self.sender.stage(self.policy.sync_state()) if self.rank == 0 else None
 
     def broadcast_weights(self, token: int) -> int:
         return self.sender.broadcast(token)
