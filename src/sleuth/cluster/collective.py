@@ -24,13 +24,13 @@ from __future__ import annotations
 import datetime
 import json
 import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
 
 from sleuth.records import LoraAdapter
-from sleuth.sync import Bucket, Send, SyncMode, WeightSource, pack_buckets, read_weights, views
+from sleuth.sync import Bucket, Send, SyncMode, WeightSource, pack_buckets, read_weights, unpack, views
 
 Backend = str  # "gloo" (CPU tensors) or "nccl" (CUDA tensors)
 
@@ -175,13 +175,9 @@ class Staged:
 
         if self.kind == "full":
             return "full", [ray.put(b) for b in self.buckets]
-        tensors = {n: t.clone() for b in self.buckets for n, t in _bucket_views(b)}
+        tensors = {n: t.clone() for b in self.buckets for n, t in unpack(b)}
         return "lora", ray.put(LoraAdapter(tensors, self.lora["rank"], self.lora["alpha"],
                                            tuple(self.lora["target_modules"])))
-
-
-def _bucket_views(b: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
-    return views(torch.from_numpy(b.data), b.entries)
 
 
 def received(header: dict[str, Any], flats: list[torch.Tensor]) -> LoraAdapter | list[tuple[str, torch.Tensor]]:
@@ -283,7 +279,7 @@ class CollectiveTransport:
         self.sender = sender
         self.backend = backend
         self.timeout_s = timeout_s
-        self._restarts_seen: float | None = None
+        self._restarts_seen: int | None = None
         """The pool's restart count when the group was built; None: no group yet (or it broke)."""
 
     def stage(self, source: WeightSource, mode: SyncMode, copy: bool) -> Send:
