@@ -31,6 +31,7 @@ from sleuth.models import check_lora_targets
 from sleuth.records import LoraAdapter
 from sleuth.train.attention import attention_kwargs, backend_for
 from sleuth.train.logprobs import token_logprobs
+from sleuth.train.lora_inputs import keep_inputs_in_base_dtype
 from sleuth.train.packing import PackedRow
 
 ADAPTER = "default"
@@ -89,6 +90,7 @@ class Policy:
                 target_modules=lora.target_modules, task_type="CAUSAL_LM",
             )
             model = get_peft_model(model, peft_cfg, autocast_adapter_dtype=lora.dtype == "float32")
+            keep_inputs_in_base_dtype(model)  # no float32 copies of bf16 inputs kept for backward
             _note_unadapted(model)
         else:
             if need_reference:
