@@ -39,6 +39,7 @@ ARMS: dict[str, list[str]] = {
     "overlong": ["algorithm.mask_truncated=true", "algorithm.overlong_buffer=16"],
     "overlap": ["loop.max_staleness=1"],
     "curriculum": ["task.difficulty=1 -> 2 at 0.6"],
+    "format": ["algorithm.format_reward=0.5"],
     "bf16": ["model.dtype=bfloat16"],
     "combined": ["algorithm.dynamic_sampling=true", "algorithm.mask_truncated=true",
                  "algorithm.overlong_buffer=16", "loop.max_staleness=1"],

@@ -126,3 +126,43 @@ def test_mask_truncated_keeps_the_baseline_but_drops_the_loss():
     assert [c.finish_reason for c in out.completions] == ["stop", "stop"]
     assert out.advantages == [1.0, 1.0]  # computed with the truncated one in the group
     assert len(g.completions) == 3  # the input is not modified
+
+
+class _FormatTask:
+    """Stands in for a task with a format score: the fraction of a completion's letters that are 'a'."""
+
+    def format_score(self, problem, completion):
+        return completion.count("a") / len(completion) if completion else 0.0
+
+
+def test_format_reward_is_its_own_reward_term_and_breaks_ties():
+    cfg = load_config(None, ["algorithm.format_reward=0.5", "algorithm.advantage=grpo"])
+    sampler = Sampler(cfg, None, None, None, None, Progress(enabled=False))
+    problem = Problem("p", [{"role": "user", "content": "x"}], "answer", {})
+
+    def group(texts):
+        comps = [Completion([1], [2, 3], [0.0, 0.0], "stop", t, reward=0.0) for t in texts]
+        return Group(problem, [1], comps)
+
+    tied = group(["aaaa", "abab", "bbbb", "aabb"])  # equally wrong, different formats
+    flat = group(["ab", "ab", "ab", "ab"])          # equally wrong, same format: still no signal
+    metrics = {}
+    kept, positions = sampler._advantages(_FormatTask(), [tied, flat], [7, 8], metrics)
+    assert positions == [7] and len(kept) == 1
+    comps = kept[0].completions
+    assert [c.reward_info["format_reward"] for c in comps] == pytest.approx([0.5, 0.25, 0.0, 0.25])
+    assert [c.reward for c in comps] == pytest.approx([0.5, 0.25, 0.0, 0.25])
+    assert all(c.reward_info["verifier_reward"] == 0.0 for c in comps)
+    adv = kept[0].advantages
+    assert adv[0] > adv[1] > adv[2] and adv[1] == pytest.approx(adv[3])
+    out = {}
+    mean = sampler._reward_metrics([tied, flat], {"rollout": 1.0, "score": 0.0, "errors": 0, "timeouts": 0}, out)
+    assert mean == 0.0 and out["rollout/reward_mean"] == 0.0  # the verifier's reward, before shaping
+    assert out["rollout/format_reward"] == pytest.approx((1.0 + 4 * 0.25) / 8)
+
+
+def test_format_reward_needs_a_task_with_a_format_score(files, tmp_path):
+    from sleuth.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="has no format score"):
+        make_sampler(files, tmp_path, "algorithm.format_reward=0.3")

@@ -93,6 +93,25 @@ def test_chance_reward_matches_random_valid_answers() -> None:
     )
 
 
+def test_format_score_counts_listed_choices_right_or_wrong() -> None:
+    task = TemporalClueTask(TaskConfig(difficulty=1, list_choices=True, eval_size=1))
+    p = task.eval_problems()[0]
+    choices, letters = p.metadata["choices"], sorted(p.answer)
+    wrong = {q: next(c for c in choices[q] if c != p.answer[q]) for q in letters}
+    assert task.score(p, answer_sheet(wrong)) == 0.0
+    assert task.format_score(p, answer_sheet(wrong)) == 1.0  # every line a listed choice, all wrong
+    assert task.format_score(p, answer_sheet(p.answer)) == 1.0
+    half = {q: (wrong[q] if i % 2 else "Nobody at all") for i, q in enumerate(letters)}
+    assert task.format_score(p, answer_sheet(half)) == pytest.approx(sum(i % 2 for i in range(len(letters))) / len(letters))
+    # The same room on every line (the collapse the format reward is for): only room questions count.
+    room = choices["C"][0]
+    rooms = {q for q in letters if room in choices[q]}
+    assert task.format_score(p, answer_sheet({q: room for q in letters})) == pytest.approx(len(rooms) / len(letters))
+    # Copying a question's whole list is no answer.
+    assert task.format_score(p, answer_sheet({q: ", ".join(choices[q]) for q in letters})) == 0.0
+    assert task.format_score(p, "") == 0.0
+
+
 def test_task_survives_pickling() -> None:
     task = TemporalClueTask(TaskConfig(train_path=val_path(), eval_size=2))
     copy = pickle.loads(pickle.dumps(task))

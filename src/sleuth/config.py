@@ -266,6 +266,10 @@ class AlgorithmConfig(Section):
     reward linearly, up to overlong_penalty at max_tokens (0: off). Logged as rollout/overlong_penalty."""
     overlong_penalty: float = Field(1.0, ge=0)
     """The largest over-length penalty (reached at rollout.max_tokens)."""
+    format_reward: float = Field(0.0, ge=0)
+    """Weight of the task's format score (Task.format_score, in [0, 1]; Temporal Clue: the fraction
+    of questions answered with one of their listed choices) added to the training reward; 0: off.
+    Evaluation never sees it. Logged as rollout/format_reward; the task must have a format score."""
 
     @field_validator("advantage", "loss")
     @classmethod

@@ -36,7 +36,7 @@ from sleuth.overlap import RolloutQueue, drop_stale
 from sleuth.progress import Progress
 from sleuth.records import Group, Problem, SamplingParams
 from sleuth.rollout.base import RolloutEngine
-from sleuth.sampling import Sampler
+from sleuth.sampling import Sampler, check_format_reward
 from sleuth.scoring import VerifierRunner, mean_se
 from sleuth.seeds import derive_seed
 from sleuth.sync import WeightSync
@@ -165,6 +165,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
         cluster, placement = start_cluster(cfg.cluster)
     seed_everything(cfg.loop.seed, 0, cfg.loop.deterministic)
     task = build_task(cfg.task)
+    check_format_reward(cfg, task)
     eval_problems = list(task.eval_problems())[: cfg.task.eval_size] if cfg.loop.evaluate else []
     if cfg.model.quantization != "none" and cfg.rollout.native_lora:
         raise UserError("rollout.native_lora serves the adapter on the unquantized base, which "

@@ -12,8 +12,8 @@ max_sampling_rounds rounds; each round draws exactly as many new problems as gro
 missing, so no problem is drawn and then thrown away unseen, and the position stays exact for resume.
 
 Reward shaping happens here, after the verifier and before advantages: the soft over-length penalty
-(DAPO) is added to the reward and kept as its own term in `reward_info["overlong_penalty"]`;
-rollout reward metrics are the verifier's rewards (before shaping) so runs stay comparable.
+(DAPO) is added to the reward and kept as its own term in `reward_info["overlong_penalty"]`, and so is
+the weighted format reward (`reward_info["format_reward"]`, the task's format_score); rollout reward metrics are the verifier's rewards (before shaping) so runs stay comparable.
 With mask_truncated, completions cut at max_tokens are removed from their group after the group's
 advantages are computed: they count in the baseline but carry no loss.
 """
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sleuth.config import Config
+from sleuth.errors import ConfigError
 from sleuth.metrics import prefixed
 from sleuth.models import encode_chat
 from sleuth.progress import Progress
@@ -69,6 +70,13 @@ def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float) 
     if buffer <= 0 or length <= max_tokens - buffer:
         return 0.0
     return -penalty * min(length - (max_tokens - buffer), buffer) / buffer
+
+
+def check_format_reward(cfg: Config, task: Task) -> None:
+    """algorithm.format_reward needs a task that has a format score: a one-line error at start-up."""
+    if cfg.algorithm.format_reward and type(task).format_score is Task.format_score:
+        raise ConfigError(f"algorithm.format_reward={cfg.algorithm.format_reward:g}: task {cfg.task.name!r} has "
+                          "no format score (Task.format_score); set algorithm.format_reward=0")
 
 
 def mask_truncated(group: Group) -> Group:
@@ -119,7 +127,7 @@ class Sampler:
             else:
                 groups = self._generate_and_score(iteration, len(all_groups), problems, times)
             all_groups.extend(groups)
-            kept, kept_positions = self._advantages(groups, positions, batch.metrics)
+            kept, kept_positions = self._advantages(task, groups, positions, batch.metrics)
             drops += len(groups) - len(kept)
             if not algo.dynamic_sampling:  # today's behaviour: whatever survived drop_zero_advantage
                 batch.groups, batch.positions = kept, kept_positions
@@ -180,7 +188,7 @@ class Sampler:
         outcomes.extend(round_outcomes)
         return [g for g in groups if g.completions]
 
-    def _advantages(self, groups: list[Group], positions: list[int],
+    def _advantages(self, task: Task, groups: list[Group], positions: list[int],
                     metrics: dict[str, Any]) -> tuple[list[Group], list[int]]:
         """Shape rewards, compute advantages, drop zero-advantage groups, mask truncated completions."""
         algo, max_tokens = self.cfg.algorithm, self.cfg.rollout.max_tokens
@@ -190,6 +198,10 @@ class Sampler:
                 p = overlong_penalty(len(c.completion_ids), max_tokens, algo.overlong_buffer, algo.overlong_penalty)
                 c.reward_info["overlong_penalty"] = p
                 c.reward += p
+                if algo.format_reward:
+                    f = algo.format_reward * (task.format_score(g.problem, c.text) or 0.0)
+                    c.reward_info["format_reward"] = f
+                    c.reward += f
         with_adv, _ = compute_advantages(groups, algo.advantage, drop_zero=False)
         for g, rewards in zip(groups, verifier_rewards, strict=True):  # keep the verifier's reward visible
             for c, r in zip(g.completions, rewards, strict=True):
@@ -216,6 +228,7 @@ class Sampler:
             truncated_frac=sum(c.finish_reason == "length" for c in completions) / n,
             tokens_per_s=sum(lengths) / max(times["rollout"], 1e-9),
             overlong_penalty=sum(c.reward_info.get("overlong_penalty", 0.0) for c in completions) / n,
+            format_reward=sum(c.reward_info.get("format_reward", 0.0) for c in completions) / n,
         )))
         metrics.update({"time/rollout_s": times["rollout"], "time/score_s": times["score"]})
         return mean

@@ -85,6 +85,9 @@ def dry_run(cfg: Any) -> list[str]:
     if cfg.model.lora.enabled and converted(cfg.model.path):  # its modules, from config.json alone
         check_lora_targets(model_skeleton(resolve_model_path(cfg.model.path)), cfg.model.lora.target_modules)
     task = build_task(cfg.task)
+    from sleuth.sampling import check_format_reward
+
+    check_format_reward(cfg, task)
     problems = task.eval_problems()
     lines.append(f"task: {cfg.task.name} ({len(problems)} held-out problems, first training problem "
                  f"'{task.train_problem(0).id}')")

@@ -28,6 +28,13 @@ class Task(ABC):
     def score(self, problem: Problem, completion: str) -> float:
         """Reward in [0, 1] for a completion's text. May raise; callers score a raising verifier 0."""
 
+    def format_score(self, problem: Problem, completion: str) -> float | None:
+        """How well a completion keeps the task's answer format, in [0, 1], whatever its
+        correctness; None when the task has no format to check. Weighted by
+        algorithm.format_reward and added to the training reward (never to evaluation). It runs in
+        the trainer's process, so it must be cheap and must not raise."""
+        return None
+
     def chance_reward(self, problem: Problem) -> float | None:
         """Expected reward of a uniformly random valid answer, when the task knows it."""
         return None

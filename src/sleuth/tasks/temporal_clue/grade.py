@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 
 # What may stand right before a marker's letter: whitespace (or the text's start), an opening
@@ -201,6 +201,20 @@ def grade(solution: Mapping[str, str], completion: str) -> float:
     given = extract_answers(completion, set(letters))
     correct = sum(1 for letter, truth in letters.items() if letter in given and answer_matches(given[letter], truth))
     return correct / len(solution)
+
+
+def valid_fraction(choices: Mapping[str, Sequence[str]], completion: str) -> float:
+    """Fraction of the questions in `choices` (letter -> its listed answers) that the completion
+    answers with one of that question's listed answers, right or wrong, in [0, 1]. The format
+    reward of a run with algorithm.format_reward: it tells a suspect line from a room line, which
+    the correctness reward alone barely does for a small model. Never raises."""
+    if not choices or not isinstance(completion, str):
+        return 0.0
+    letters = {str(letter).upper(): options for letter, options in choices.items()}
+    given = extract_answers(completion, set(letters))
+    valid = sum(1 for letter, options in letters.items()
+                if letter in given and any(answer_matches(given[letter], str(o)) for o in options))
+    return valid / len(letters)
 
 
 def answer_sheet_key(letters: Iterable[str], completion: str) -> tuple[tuple[str, str], ...] | None:

@@ -26,7 +26,7 @@ from sleuth.seeds import derive_seed
 from sleuth.tasks.base import Task
 from sleuth.tasks.order import stream_index
 from sleuth.tasks.temporal_clue.dataset import add_choices, load_puzzles, parse_choices
-from sleuth.tasks.temporal_clue.grade import answer_sheet_key, grade
+from sleuth.tasks.temporal_clue.grade import answer_sheet_key, grade, valid_fraction
 
 EVAL_SEED_OFFSET = 1
 """Held-out puzzle j is generated with seed 2 * j + EVAL_SEED_OFFSET (odd)."""
@@ -148,6 +148,13 @@ class TemporalClueTask(Task):
     def answer_key(self, problem: Problem, completion: str) -> tuple[tuple[str, str], ...] | None:
         """maj@k votes on the whole answer sheet (every question's answer), not on the raw text."""
         return answer_sheet_key(problem.answer, completion)
+
+    def format_score(self, problem: Problem, completion: str) -> float | None:
+        """The fraction of questions answered with one of their listed choices (None without choices)."""
+        choices = problem.metadata.get("choices")
+        if not choices:
+            return None
+        return valid_fraction({q: choices[q] for q in problem.answer if q in choices}, completion)
 
     def chance_reward(self, problem: Problem) -> float | None:
         choices = problem.metadata.get("choices")
