@@ -25,8 +25,6 @@ arguments and standard streams stay the same.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -114,33 +112,3 @@ def allocator_in_use() -> str:
                     return f"mimalloc ({line.split()[-1]}), purge delay {os.environ.get('MIMALLOC_PURGE_DELAY', '10')} ms"
                 return f"{name} ({line.split()[-1]})"
     return "glibc malloc"
-
-
-def release_free_memory() -> None:
-    """Give the memory this thread's allocator holds free back to the system now, at a stage's end.
-
-    Why: mimalloc keeps freed pages for PURGE_DELAY_MS in the heap of the thread that freed them,
-    and only that thread reuses them. The rollout engine's driver thread and the trainer's main
-    thread take turns, so for the first seconds of each stage the other stage's freed memory was
-    still resident: the default run's peak was a training step plus the last generation's leftovers.
-    Called where a stage ends (the engine going idle, a training step done); within a stage the
-    purge delay still keeps pages for reuse. mimalloc: mi_collect(force); glibc: malloc_trim(0);
-    jemalloc: nothing (it decays on its own)."""
-    lib = _process_symbols()
-    if lib is None:
-        return
-    collect = getattr(lib, "mi_collect", None)
-    if collect is not None:
-        collect(ctypes.c_bool(True))
-        return
-    trim = getattr(lib, "malloc_trim", None)
-    if trim is not None and "jemalloc" not in os.environ.get("LD_PRELOAD", ""):
-        trim(ctypes.c_size_t(0))
-
-
-@functools.cache
-def _process_symbols() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL(None)
-    except OSError:
-        return None

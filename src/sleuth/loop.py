@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from sleuth import fsio
-from sleuth.allocator import release_free_memory
 from sleuth.budget import FINAL_EVAL_MARGIN, TimeBudget
 from sleuth.checkpoint import CheckpointManager
 from sleuth.config import Config, dump_config
@@ -372,11 +371,9 @@ def _train_step(run: Run, groups: list[Group], progress: Progress) -> dict[str, 
         progress.update(bar, completed=done, total=total)
 
     try:
-        metrics = run.trainer.step(groups, on_row=on_row)
+        return run.trainer.step(groups, on_row=on_row)
     finally:
         progress.remove(bar)
-    release_free_memory()  # the step's activations, before the engine's stage needs memory of its own
-    return metrics
 
 
 def _evaluate(run: Run, iteration: int, progress: Progress, budget: TimeBudget | None = None) -> EvalResult:

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sleuth.allocator import release_free_memory
 from sleuth.errors import UserError
 from sleuth.records import FinishReason, LoraAdapter
 from sleuth.rollout.base import (
@@ -369,12 +368,8 @@ class VLLMEngine(RolloutEngine):
         held: list[_Group] = []  # groups that arrived after a call (a sync) still waiting to run
         calls: list[_Call] = []
         active: dict[str, _Active] = {}
-        busy = False  # worked since the last time it went idle
         while True:
             idle = not active and not pending and not calls
-            if idle and busy:  # a batch (or a sync) is done: its freed memory goes back now
-                release_free_memory()
-            busy = not idle
             try:
                 item = self._inbox.get(timeout=0.05) if idle else self._inbox.get_nowait()
             except queue.Empty:
