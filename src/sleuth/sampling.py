@@ -12,8 +12,9 @@ max_sampling_rounds rounds; each round draws exactly as many new problems as gro
 missing, so no problem is drawn and then thrown away unseen, and the position stays exact for resume.
 
 Reward shaping happens here, after the verifier and before advantages: the soft over-length penalty
-(DAPO) is added to the reward and kept as its own term in `reward_info["overlong_penalty"]`, and so is
-the weighted format reward (`reward_info["format_reward"]`, the task's format_score); rollout reward metrics are the verifier's rewards (before shaping) so runs stay comparable.
+(DAPO) is added to the reward and kept as its own term in `reward_info["overlong_penalty"]`, and so
+is the weighted format reward (`reward_info["format_reward"]`, from the task's format_score);
+rollout reward metrics are the verifier's rewards (before shaping) so runs stay comparable.
 With mask_truncated, completions cut at max_tokens are removed from their group after the group's
 advantages are computed: they count in the baseline but carry no loss.
 """
