@@ -193,14 +193,7 @@ def grade(solution: Mapping[str, str], completion: str) -> float:
     `solution` maps question letters to true answers ({"A": "Mrs. White", ...}); an empty
     solution scores 0. Never raises for any completion text (non-text scores 0).
     """
-    if not solution:
-        return 0.0
-    if not isinstance(completion, str):
-        return 0.0
-    letters = {str(letter).upper(): str(truth) for letter, truth in solution.items()}
-    given = extract_answers(completion, set(letters))
-    correct = sum(1 for letter, truth in letters.items() if letter in given and answer_matches(given[letter], truth))
-    return correct / len(solution)
+    return _fraction_answered(((letter, (truth,)) for letter, truth in solution.items()), completion)
 
 
 def valid_fraction(choices: Mapping[str, Sequence[str]], completion: str) -> float:
@@ -208,13 +201,20 @@ def valid_fraction(choices: Mapping[str, Sequence[str]], completion: str) -> flo
     answers with one of that question's listed answers, right or wrong, in [0, 1]. The format
     reward of a run with algorithm.format_reward: it tells a suspect line from a room line, which
     the correctness reward alone barely does for a small model. Never raises."""
-    if not choices or not isinstance(completion, str):
+    return _fraction_answered(choices.items(), completion)
+
+
+def _fraction_answered(accepted: Iterable[tuple[str, Sequence[str]]], completion: str) -> float:
+    """Fraction of the questions (letter, accepted answers) whose answer in the completion names
+    one of its accepted answers; 0 for no questions or a completion that is not text."""
+    items = list(accepted)
+    if not items or not isinstance(completion, str):
         return 0.0
-    letters = {str(letter).upper(): options for letter, options in choices.items()}
+    letters = {str(letter).upper(): [str(a) for a in answers] for letter, answers in items}
     given = extract_answers(completion, set(letters))
-    valid = sum(1 for letter, options in letters.items()
-                if letter in given and any(answer_matches(given[letter], str(o)) for o in options))
-    return valid / len(letters)
+    hits = sum(1 for letter, answers in letters.items()
+               if letter in given and any(answer_matches(given[letter], a) for a in answers))
+    return hits / len(items)
 
 
 def answer_sheet_key(letters: Iterable[str], completion: str) -> tuple[tuple[str, str], ...] | None:
