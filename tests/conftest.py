@@ -3,9 +3,12 @@ tests train on (built once per test session)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from sleuth.testing.tiny_model import write_tiny_model
 
@@ -36,3 +39,49 @@ def lowercase_task(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("task") / "lowercase_task.py"
     path.write_text(LOWERCASE_TASK)
     return path
+
+
+@pytest.fixture
+def count_saved(monkeypatch: pytest.MonkeyPatch) -> Callable[[], contextlib.AbstractContextManager[dict[int, int]]]:
+    """`with count_saved() as kept:` records the bytes autograd keeps for backward inside the block
+    (storage -> bytes, each storage once), including what sleuth.train.recompute's own pack hooks
+    keep as it is (an outer hook does not see what an inner one packs)."""
+    from sleuth.train import recompute
+
+    kept: dict[int, int] = {}
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def counting_hooks(pack: Callable, unpack: Callable) -> torch.autograd.graph.saved_tensors_hooks:
+        def counted(t: torch.Tensor) -> object:
+            packed = pack(t)
+            return count(packed) if isinstance(packed, torch.Tensor) else packed
+        return torch.autograd.graph.saved_tensors_hooks(counted, unpack)
+
+    monkeypatch.setattr(recompute, "saved_tensors_hooks", counting_hooks)
+
+    @contextlib.contextmanager
+    def block() -> Iterator[dict[int, int]]:
+        kept.clear()
+        with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+            yield kept
+
+    return block
+
+
+@pytest.fixture
+def lm_backward(count_saved: Callable) -> Callable:
+    """`lm_backward(model, ids) -> (loss, gradients by name, bytes kept for backward)`: a language-
+    modelling loss of a causal LM on ids [1, T], counted with count_saved."""
+
+    def run(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        with count_saved() as kept:
+            logits = model(input_ids=ids).logits.float()
+            loss = torch.log_softmax(logits, -1)[0, :-1].gather(-1, ids[0, 1:, None]).mean()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        return loss.detach(), grads, sum(kept.values())
+
+    return run

@@ -90,6 +90,25 @@ def test_refuses_to_overwrite_a_run(tmp_path, capsys):
     assert "not a sleuth run directory" in capsys.readouterr().err
 
 
+def test_sigterm_inside_an_import_ends_the_process_as_sigterm(tmp_path):
+    """A KeyboardInterrupt raised inside an import can break a native library (seen: a Rust
+    extension aborting, an interpreter exiting by SIGINT): there the command ends by SIGTERM's own
+    default action instead, at once and without a traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "slow_native_lib.py").write_text(
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(30)\n")
+    script = ("import argparse, sys\nimport sleuth.cli as cli\n"
+              "def command(args):\n    import slow_native_lib\n    return 0\n"
+              "parser = argparse.ArgumentParser()\nparser.set_defaults(func=command)\n"
+              "cli.build_parser = lambda: parser\nsys.exit(cli.main([]))\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=25)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_sigterm_that_a_library_swallows_is_still_an_interrupt(monkeypatch, capsys):
     """SIGTERM raises KeyboardInterrupt wherever the command is; numpy's import once swallowed it
     half-way and failed later with AttributeError: that is exit 130, not a traceback. Any other

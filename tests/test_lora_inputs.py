@@ -23,31 +23,15 @@ def _peft(tiny_model_dir, dropout: float = 0.0):
     return peft
 
 
-def _run(model, ids):
-    """Loss, LoRA gradients and the bytes autograd kept for backward (shared storages once)."""
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(input_ids=ids).logits.float()
-        loss = torch.log_softmax(logits, -1)[0, :-1].gather(-1, ids[0, 1:, None]).mean()
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    return loss.detach(), grads, sum(seen.values())
-
-
-def test_same_loss_and_gradients_with_less_kept(tiny_model_dir):
+def test_same_loss_and_gradients_with_less_kept(tiny_model_dir, lm_backward):
     reference = _peft(tiny_model_dir)
     switched = copy.deepcopy(reference)
     n = keep_inputs_in_base_dtype(switched)
     assert n == sum(1 for m in switched.modules() if type(m).__name__ == "Linear" and hasattr(m, "lora_A"))
     assert n > 0 and any(isinstance(m, UpcastLinear) for m in switched.modules())
     ids = torch.randint(0, reference.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(1))
-    loss_ref, grads_ref, kept_ref = _run(reference, ids)
-    loss, grads, kept = _run(switched, ids)
+    loss_ref, grads_ref, kept_ref = lm_backward(reference, ids)
+    loss, grads, kept = lm_backward(switched, ids)
     assert grads.keys() == grads_ref.keys() and any("lora_A" in k for k in grads)
     assert torch.equal(loss, loss_ref)
     for name, g in grads.items():

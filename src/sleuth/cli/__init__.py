@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import Sequence
+from types import FrameType
 
 from sleuth import __version__
 from sleuth.errors import UserError
@@ -34,11 +36,28 @@ _terminated = False
 """Set by SIGTERM: whatever the command then fails with is the interrupt's doing."""
 
 
-def _terminate(signum: int, frame: object) -> None:
+def _inside_import(frame: FrameType | None) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
     # SIGTERM (schedulers, `docker stop`) ends a command the way Ctrl-C does; `sleuth train`
     # installs its own handler that checkpoints first.
     global _terminated
     _terminated = True
+    if _inside_import(frame):
+        # An exception raised in the middle of an import can land in a native library's start-up
+        # and leave it broken: seen on `sleuth train` stopped ~1-2 s after launch, a Rust extension
+        # aborting the process (SIGABRT) or the interpreter exiting by SIGINT after printing that it
+        # was interrupted. End the way SIGTERM ends a process without a handler (as SIGKILL
+        # would: whatever was saved stays saved, every file is written atomically).
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     raise KeyboardInterrupt
 
 

@@ -21,6 +21,7 @@ Three ways to apply the rule, chosen by the model's attn_implementation:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from sleuth.attention import PACKED, dense_mask, register_packed_attention, special_attention
 from sleuth.train.completion_attention import CompletionAttention
 from sleuth.train.packing import PackedRow
+from sleuth.train.recompute import Recipes
 
 
 def backend_for(device: torch.device | str, config: Any = None) -> str:
@@ -125,7 +127,25 @@ def _packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, la
     # to the query heads (the flash backward is ~10% faster without grouped-query indexing).
     query = query.contiguous()
     rep = query.shape[1] // key.shape[1]
+    if rep > 1 and torch.is_grad_enabled():
+        # The repeated heads are rebuilt in backward from the key/value heads themselves, kept
+        # instead: rep times less than what the attention calls below would keep.
+        with Recipes() as recipes:
+            heads = [t.detach() for t in (key, value)]
+            key, value = (t.repeat_interleave(rep, dim=1) for t in (key, value))
+            recipes.add(key, _repeat(heads[0], rep))
+            recipes.add(value, _repeat(heads[1], rep))
+            return _attend_pieces(query, key, value, layout, scale)
     key, value = (t.repeat_interleave(rep, dim=1) if rep > 1 else t.contiguous() for t in (key, value))
+    return _attend_pieces(query, key, value, layout, scale)
+
+
+def _repeat(heads: torch.Tensor, rep: int) -> Callable[[], torch.Tensor]:
+    return lambda: heads.repeat_interleave(rep, dim=1)
+
+
+def _attend_pieces(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: RowLayout,
+                   scale: float) -> torch.Tensor:
     # One split per tensor into the layout's pieces: a split's backward is a single concatenation,
     # where slicing each part would allocate a full-size zero gradient per slice.
     pad = layout.length - sum(layout.pieces)

@@ -33,6 +33,7 @@ from sleuth.train.attention import attention_kwargs, backend_for
 from sleuth.train.logprobs import token_logprobs
 from sleuth.train.lora_inputs import keep_inputs_in_base_dtype
 from sleuth.train.packing import PackedRow
+from sleuth.train.recompute import recompute_cheap_activations
 
 ADAPTER = "default"
 log = logging.getLogger(__name__)
@@ -95,6 +96,8 @@ class Policy:
         else:
             if need_reference:
                 self._reference_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if not model_cfg.gradient_checkpointing:  # which recomputes whole layers already
+            recompute_cheap_activations(model)  # MLP activations, norms' float32 copies: rebuilt in backward
         self.model = model
         self.model.train()
         self.row_model = RowLogprobs(self.causal_lm)

@@ -1,0 +1,182 @@
+"""Cheap activations recomputed in backward instead of kept: the MLP's activation and product,
+RMSNorm's float32 copy of its input.
+
+    recompute_cheap_activations(model)     # once; returns how many modules it switched
+
+Autograd keeps, for every decoder layer of a Llama-style model (measured on the default's SmolLM2
+row of 1,342 tokens, docs/benchmarks.md "memory"):
+- the gated MLP `down(act(gate(x)) * up(x))`: four intermediate-wide tensors, gate(x) (for act's
+  backward), act(gate(x)) and up(x) (for the product's) and the product itself (for the weight
+  gradient of down, or of its LoRA A): 0.6 GB of a 1.26 GB row;
+- RMSNorm: its input upcast to float32 (for the square and the scaling), twice per layer.
+
+act(gate) and the product are one elementwise pass each from gate and up, which stay kept, and
+the float32 copy is one cast from the bf16 input: so they are dropped after forward and rebuilt
+in backward (a `saved_tensors_hooks` pack that stores a recipe instead of the tensor). The
+recomputation repeats the same operations on the same inputs, so the values, and every gradient,
+are bit-identical; only what lives between forward and backward changes (~0.3 GB less per
+default row; elementwise work of a few percent of a step).
+
+A module is switched only if it has the expected parts and its switched forward gives exactly the
+original's output on a random input, so an architecture whose norm or MLP computes something else
+(Gemma's 1 + weight, a fused gate_up projection) keeps its own forward. Not used together with
+gradient checkpointing, which already recomputes whole layers through its own hooks.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+
+class _Recipe:
+    """What a pack hook stores instead of a tensor: how to rebuild it from tensors kept anyway."""
+
+    __slots__ = ("build",)
+
+    def __init__(self, build: Callable[[], torch.Tensor]) -> None:
+        self.build = build
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    # Module-level on purpose: autograd holds the unpack hook until backward, and a closure here
+    # would hold the very tensors the recipes replace.
+    if isinstance(packed, _Recipe):
+        with torch.no_grad():
+            return packed.build()
+    return packed
+
+
+def _view_within(t: torch.Tensor, kept: torch.Tensor) -> tuple[int, ...] | None:
+    """(storage offset relative to `kept`, sizes..., strides...) if `t` is `kept` or a view of it
+    (a split piece, a 2-d reshape as a linear layer saves its input); else None. `kept` is contiguous."""
+    if t.dtype != kept.dtype or t.untyped_storage().data_ptr() != kept.untyped_storage().data_ptr():
+        return None
+    offset = t.storage_offset() - kept.storage_offset()
+    last = offset + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    if offset < 0 or t.numel() == 0 or last >= kept.numel():
+        return None
+    return (offset, *t.shape, *t.stride())
+
+
+def _view_of(build: Callable[[], torch.Tensor], view: tuple[int, ...]) -> Callable[[], torch.Tensor]:
+    offset, rest = view[0], view[1:]
+    dims = len(rest) // 2
+    return lambda: build().as_strided(rest[:dims], rest[dims:], offset)
+
+
+class Recipes:
+    """Pack hook: a tensor registered with a recipe is saved as the recipe; others as they are.
+
+    Autograd keeps the pack hook (not only the unpack hook) with every tensor saved under it until
+    backward, so the registered tensors are let go when the block ends: otherwise the hook itself
+    would keep alive what the recipes replace."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
+        self._hooks = saved_tensors_hooks(self.pack, _unpack)
+
+    def __enter__(self) -> Recipes:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+        self.entries.clear()
+
+    def add(self, tensor: torch.Tensor, build: Callable[[], torch.Tensor]) -> None:
+        """Save `tensor`, and any view of it, as `build()` (a new contiguous tensor, equal to it)."""
+        if tensor.is_contiguous():  # what build() returns: views map onto it one to one
+            self.entries.append((tensor, build))
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        for kept, build in self.entries:
+            view = _view_within(tensor, kept)
+            if view is None:
+                continue
+            if view == (0, *kept.shape, *kept.stride()):
+                return _Recipe(build)
+            return _Recipe(_view_of(build, view))
+        return tensor
+
+
+def _mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)), keeping gate(x) and up(x) only."""
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if not torch.is_grad_enabled():
+        return self.down_proj(self.act_fn(gate) * up)
+    act, g, u = self.act_fn, gate.detach(), up.detach()
+    with Recipes() as recipes:
+        activated = act(gate)
+        recipes.add(activated, lambda: act(g))
+        product = activated * up
+        recipes.add(product, lambda: act(g) * u)
+        return self.down_proj(product)
+
+
+def _rms_norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """weight * (x / rms(x)) in float32, cast back: Llama's RMSNorm, keeping x instead of its upcast."""
+    dtype = x.dtype
+    upcast = x.to(torch.float32)
+    if upcast is x or not torch.is_grad_enabled():
+        variance = upcast.pow(2).mean(-1, keepdim=True)
+        return self.weight * (upcast * torch.rsqrt(variance + self.variance_epsilon)).to(dtype)
+    kept = x.detach()
+    with Recipes() as recipes:
+        recipes.add(upcast, lambda: kept.to(torch.float32))
+        variance = upcast.pow(2).mean(-1, keepdim=True)
+        return self.weight * (upcast * torch.rsqrt(variance + self.variance_epsilon)).to(dtype)
+
+
+def _is_mlp(module: torch.nn.Module) -> bool:
+    return all(isinstance(getattr(module, name, None), torch.nn.Module)
+               for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+
+
+def _is_rms_norm(module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor)
+            and weight.dim() == 1 and isinstance(getattr(module, "variance_epsilon", None), float))
+
+
+def _width(module: torch.nn.Module) -> int | None:
+    if _is_rms_norm(module):
+        return int(module.weight.shape[0])
+    base = getattr(module.gate_proj, "base_layer", module.gate_proj)  # a PEFT LoRA layer wraps it
+    return getattr(base, "in_features", None)
+
+
+def _switch_if_exact(module: torch.nn.Module, forward: Callable[..., torch.Tensor]) -> bool:
+    """Give `module` the forward if it reproduces the original's output exactly on a random input."""
+    width = _width(module)
+    param = next(module.parameters(), None)
+    if width is None or param is None:
+        return False
+    dtype = param.dtype if param.dtype.is_floating_point else torch.float32
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    probe = torch.randn(1, 3, width, generator=generator).to(device=param.device, dtype=dtype)
+    with torch.no_grad():
+        expected = module(probe)
+        lean = types.MethodType(forward, module)
+        with torch.enable_grad():  # the switched path saves for backward only under grad
+            got = lean(probe.requires_grad_())
+    if not (isinstance(expected, torch.Tensor) and expected.dtype == got.dtype and torch.equal(expected, got)):
+        return False
+    module.forward = lean
+    return True
+
+
+def recompute_cheap_activations(model: torch.nn.Module) -> int:
+    """Switch every Llama-style gated MLP and RMSNorm of `model` to recompute its cheap
+    activations in backward (see the module docstring); returns how many were switched."""
+    switched = 0
+    for module in model.modules():
+        if _is_mlp(module):
+            switched += _switch_if_exact(module, _mlp_forward)
+        elif _is_rms_norm(module):
+            switched += _switch_if_exact(module, _rms_norm_forward)
+    return switched
