@@ -147,16 +147,14 @@ def _is_rms_norm(module: torch.nn.Module) -> bool:
             and weight.dim() == 1 and isinstance(getattr(module, "variance_epsilon", None), float))
 
 
-def _width(module: torch.nn.Module) -> int | None:
-    if _is_rms_norm(module):
-        return int(module.weight.shape[0])
+def _mlp_width(module: torch.nn.Module) -> int | None:
     base = getattr(module.gate_proj, "base_layer", module.gate_proj)  # a PEFT LoRA layer wraps it
     return getattr(base, "in_features", None)
 
 
-def _switch_if_exact(module: torch.nn.Module, forward: Callable[..., torch.Tensor]) -> bool:
-    """Give `module` the forward if it reproduces the original's output exactly on a random input."""
-    width = _width(module)
+def _switch_if_exact(module: torch.nn.Module, forward: Callable[..., torch.Tensor], width: int | None) -> bool:
+    """Give `module` the forward if it reproduces the original's output exactly on a random input
+    of `width` features."""
     param = next(module.parameters(), None)
     if width is None or param is None:
         return False
@@ -180,7 +178,7 @@ def recompute_cheap_activations(model: torch.nn.Module) -> int:
     switched = 0
     for module in model.modules():
         if _is_mlp(module):
-            switched += _switch_if_exact(module, _mlp_forward)
+            switched += _switch_if_exact(module, _mlp_forward, _mlp_width(module))
         elif _is_rms_norm(module):
-            switched += _switch_if_exact(module, _rms_norm_forward)
+            switched += _switch_if_exact(module, _rms_norm_forward, int(module.weight.shape[0]))
     return switched
