@@ -5,6 +5,7 @@ one line and exit 2."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +57,36 @@ def test_this_process_reports_its_allocator():
     preload = os.environ.get("LD_PRELOAD", "")
     expected = next((name for name in ("jemalloc", "mimalloc") if name in preload), "glibc malloc")
     assert allocator_in_use().startswith(expected)
+
+
+def _rss_anon() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
+def test_release_pages_gives_a_tensors_memory_back_and_it_reads_zeros():
+    import mmap
+
+    import torch
+
+    from sleuth.allocator import release_pages
+
+    buffer = torch.ones(64 * 2**20, dtype=torch.int8)  # 64 MiB, every page touched
+    view = buffer[: 2**20]  # a view of the same storage: released once
+    before = _rss_anon()
+    released = release_pages([buffer, view])
+    after = _rss_anon()
+    page = mmap.PAGESIZE
+    start = buffer.data_ptr()
+    first = -(-start // page) * page
+    assert released == (start + buffer.numel() - first) // page * page  # the whole pages inside it
+    assert released >= 64 * 2**20 - page
+    assert before - after >= 0.9 * released  # the pages really left the resident set
+    inside = buffer[first - start : first - start + released]
+    assert int(inside.count_nonzero()) == 0  # released pages read as zeros
+    assert bool((buffer[: first - start] == 1).all())  # bytes outside whole pages are untouched
+    inside.fill_(3)  # and the tensor stays usable: pages come back on the next write
+    assert int(buffer.sum()) == 3 * released + (buffer.numel() - released)

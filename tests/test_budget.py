@@ -58,3 +58,27 @@ def test_resumed_budget_counts_the_time_already_spent(clock):
     assert not resumed.allows_next()  # 46 + 10 + 5 = 61
     resumed.restore(None)  # a fresh run: nothing restored
     assert resumed.elapsed_s() == pytest.approx(46.0)
+
+
+def test_process_age_counts_from_the_process_start():
+    import subprocess
+    import sys
+
+    code = "import time; time.sleep(1.5); from sleuth.budget import process_age_s; print(process_age_s())"
+    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                               timeout=120).stdout)
+    assert 1.5 <= age < 60  # the sleep and the interpreter's start-up, not the machine's uptime
+
+
+def test_time_spent_before_the_loop_counts_against_the_budget(tiny_model_dir, lowercase_task, tmp_path):
+    from io import StringIO
+
+    from sleuth.config import load_config
+    from sleuth.loop import train
+    from test_loop import overrides
+
+    out = StringIO()
+    args = [*overrides(tiny_model_dir, lowercase_task, iterations=3), "loop.time_budget_min=1"]
+    result = train(load_config(None, args), tmp_path / "run", out=out, elapsed_before_s=61.0)
+    assert result.iterations_done == 0
+    assert "reached iteration 0 of 3 in 1.0 minutes of the 1-minute budget" in out.getvalue()

@@ -7,14 +7,16 @@ exactly the data positions it drew.
 
 import signal
 from io import StringIO
+from types import SimpleNamespace
 
 import pytest
 
 from sleuth.cli.train import default_config_path
 from sleuth.config import load_config
 from sleuth.loop import train
-from sleuth.overlap import drop_stale
+from sleuth.overlap import RolloutQueue, drop_stale
 from sleuth.records import Group, Problem
+from sleuth.rollout.base import RolloutEngine
 from sleuth.sampling import Batch
 from test_loop import _cli, _wait_for, overrides, read_metrics
 
@@ -40,6 +42,38 @@ def test_drop_stale_drops_whole_batches_older_than_the_bound():
     assert dropped == 0 and kept.positions == [6, 7, 8]
     kept, dropped = drop_stale(batch, trainer_version=4, max_staleness=1)
     assert dropped == 3 and kept.groups == [] and kept.positions == [] and kept.end == 9
+
+
+class ReleaseCounter(RolloutEngine):
+    """Counts release_memory calls (generation is not needed by the queue's release decision)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.releases = 0
+
+    async def generate(self, request):
+        raise AssertionError("not called")
+
+    def sync_weights(self, named_tensors) -> None:
+        pass
+
+    def release_memory(self) -> int:
+        self.releases += 1
+        return 4096
+
+
+@pytest.mark.parametrize("max_staleness, releases", [(0, 1), (1, 0)])
+def test_only_an_idle_engine_releases_its_memory_before_the_step(max_staleness, releases):
+    # Synchronous loop: nothing generates until the sync, so the KV cache's memory goes back.
+    # Overlapped: the engine is generating the next batch while the trainer steps; it keeps it.
+    engine = ReleaseCounter()
+    queue = RolloutQueue(SimpleNamespace(engine=engine), max_staleness, position=0, version=0)
+    try:
+        assert queue.release_engine_memory() == 4096 * releases
+        assert engine.releases == releases
+    finally:
+        queue.close()
+        engine.close()
 
 
 @pytest.mark.slow

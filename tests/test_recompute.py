@@ -145,3 +145,48 @@ def test_grouped_query_attention_keeps_the_key_value_heads_only(count_saved):
         assert torch.equal(g, g_ref)
     repeats = 2 * (6 - 2) * row.length * 8 * 4  # key and value: the 4 repeated heads of 6, float32
     assert kept <= kept_ref - repeats, (kept, kept_ref, repeats)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_training_row_also_rebuilds_norm_outputs_and_the_attention_output(tiny_model_dir, count_saved,
+                                                                              monkeypatch, dtype):
+    """The trainer's packed-row forward (Policy, LoRA, the sleuth_packed attention): besides the MLP's
+    two, each layer's two norm outputs and the output projection's input (all saved by LoRA layers)
+    are rebuilt in backward; every gradient stays bit-identical."""
+    from sleuth.config import LoraConfig as SleuthLora
+    from sleuth.config import ModelConfig
+    from sleuth.records import Completion, Group, Problem
+    from sleuth.train import policy as policy_module
+    from sleuth.train.packing import pack_groups
+
+    prompt, comps = list(range(3, 60)), [[70, 71, 72, 73], [80, 81], [90, 91, 92]]
+    group = Group(Problem("p", [], None), prompt,
+                  [Completion(prompt, c, [0.0] * len(c), "stop", "") for c in comps], [1.0, -0.5, -0.5])
+    (row,) = pack_groups([group], 256).rows
+    real = policy_module.recompute_cheap_activations
+
+    def run(switch: bool):
+        monkeypatch.setattr(policy_module, "recompute_cheap_activations", real if switch else lambda model: 0)
+        torch.manual_seed(0)
+        cfg = ModelConfig(path=str(tiny_model_dir), dtype=dtype, lora=SleuthLora(enabled=True, rank=4))
+        policy = policy_module.Policy.from_config(cfg, need_reference=False)
+        for name, p in policy.model.named_parameters():  # B starts at zero: give the adapter an effect
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(len(name)))
+        with count_saved() as kept:
+            logp, _ = policy.row_logprobs(row)
+        (logp * row.advantages).sum().backward()
+        grads = {n: p.grad for n, p in policy.model.named_parameters() if p.requires_grad}
+        return logp.detach(), grads, sum(kept.values()), policy.causal_lm.config
+
+    logp_ref, grads_ref, kept_ref, config = run(switch=False)
+    logp, grads, kept, _ = run(switch=True)
+    assert torch.equal(logp, logp_ref)
+    assert grads.keys() == grads_ref.keys() and grads
+    for name, g in grads.items():
+        assert torch.equal(g, grads_ref[name]), name
+    element = 2 if dtype == "bfloat16" else 4
+    per_layer = (2 * config.intermediate_size + 3 * config.hidden_size) * element  # per token
+    if dtype == "bfloat16":  # and the norms' float32 upcasts of their inputs
+        per_layer += 2 * config.hidden_size * 4
+    assert kept <= kept_ref - config.num_hidden_layers * row.length * per_layer, (kept, kept_ref)

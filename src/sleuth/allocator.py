@@ -2,6 +2,7 @@
 jemalloc or mimalloc to choose.
 
     use_allocator(argv)    # first thing in the CLI: re-executes this process with the allocator preloaded
+    release_pages(tensors) # memory a stage keeps but will not read again goes back to the system
 
 Why it matters: torch on CPU takes every tensor from malloc. A training step allocates and frees
 activations of many sizes (tens of MB each); glibc serves them from heaps it cannot shrink past a
@@ -25,12 +26,15 @@ arguments and standard streams stay the same.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import importlib.util
+import mmap
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from sleuth.errors import UserError
 
@@ -112,3 +116,33 @@ def allocator_in_use() -> str:
                     return f"mimalloc ({line.split()[-1]}), purge delay {os.environ.get('MIMALLOC_PURGE_DELAY', '10')} ms"
                 return f"{name} ({line.split()[-1]})"
     return "glibc malloc"
+
+
+MADV_DONTNEED = 4
+"""Linux madvise: drop the pages now; the next touch maps fresh zero pages."""
+
+
+def release_pages(tensors: Iterable[Any]) -> int:
+    """Give the memory of these CPU tensors back to the system while they stay allocated: every whole
+    page inside each one's storage is dropped (MADV_DONTNEED) and reads as zeros from then on, faulted
+    in again page by page when touched. For a buffer a stage keeps but will rewrite before it reads
+    (vLLM's KV cache between two rollouts). Returns the bytes released; 0 off Linux."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page, released, seen = mmap.PAGESIZE, 0, set()
+    for t in tensors:
+        storage = t.untyped_storage()
+        start, size = storage.data_ptr(), storage.nbytes()
+        if t.device.type != "cpu" or start in seen or size == 0:
+            continue
+        seen.add(start)
+        first = -(-start // page) * page  # whole pages only: the neighbours' bytes stay as they are
+        length = (start + size - first) // page * page
+        if length <= 0:
+            continue
+        if libc.madvise(first, length, MADV_DONTNEED) != 0:
+            raise OSError(ctypes.get_errno(), f"madvise(MADV_DONTNEED) of {length} bytes failed")
+        released += length
+    return released

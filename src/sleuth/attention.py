@@ -77,8 +77,7 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         if s_aux is not None:
             return _dense_attention(module, query, key, value, mask, dropout, scaling, s_aux)
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
-    out = packed_layout.attend(query, key, value, scaling)
-    return out.transpose(1, 2).contiguous(), None
+    return packed_layout.attend(query, key, value, scaling), None
 
 
 def _causal_mask(q_len: int, k_len: int, window: int | None, device: torch.device) -> torch.Tensor:

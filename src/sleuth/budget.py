@@ -9,13 +9,16 @@
 The next iteration's length is estimated as the mean of the last ESTIMATE_WINDOW measured ones
 (iterations vary with dynamic sampling and completion length; a short window follows the trend).
 Before any iteration is measured the first one starts whenever the reserve still fits. The clock
-counts everything since the run started (model loading and evaluations included), and a resumed
-run carries the time its earlier part spent, so a budget of 15 minutes means 15 minutes in total.
+counts everything since the run started (model loading and evaluations included; from the command
+line also the interpreter's start-up, `process_age_s`), and a resumed run carries the time its
+earlier part spent, so a budget of 15 minutes means 15 minutes in total.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 ESTIMATE_WINDOW = 3
@@ -24,6 +27,18 @@ ESTIMATE_WINDOW = 3
 FINAL_EVAL_MARGIN = 1.25
 """The final evaluation is estimated as this times the measured one before training (completions
 tend to grow with training, and the export follows it)."""
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux /proc; 0.0 elsewhere). `sleuth train` re-executes
+    itself with its allocator preloaded, which keeps the process and its start time, so this counts
+    the interpreter's start-up and imports too: what a user timing the command sees."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in ticks since boot
+        return max(0.0, float(Path("/proc/uptime").read_text().split()[0]) - started)
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 class TimeBudget:

@@ -247,12 +247,15 @@ def train_sampling(cfg: Config) -> SamplingParams:
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO | None = None,
-          progress: Progress | None = None) -> RunResult:
+          progress: Progress | None = None, elapsed_before_s: float = 0.0) -> RunResult:
     """Run (or continue) the RL loop of `cfg` in `run_dir`. Prints one summary line per iteration
-    to `out` (None: sys.stdout as it is at the call, not as it was when this module was imported)."""
+    to `out` (None: sys.stdout as it is at the call, not as it was when this module was imported).
+    `elapsed_before_s`: time this run spent before the call (the CLI's start-up), counted against
+    loop.time_budget_min."""
     out = out if out is not None else sys.stdout
     L = cfg.loop
-    budget = TimeBudget(L.time_budget_min)  # started before setup: loading counts against the budget
+    # Started before setup: loading counts against the budget.
+    budget = TimeBudget(L.time_budget_min, elapsed_before_s=elapsed_before_s)
     run = setup(cfg, run_dir, resume)
     budget.restore(run.state.get("budget"))
     progress = progress or Progress()
@@ -293,7 +296,9 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO | None =
                 if interrupt.requested:
                     break
 
-                # 5. Pack groups into rows (shared prompts) and take the optimizer step.
+                # 5. Pack groups into rows (shared prompts) and take the optimizer step, while an
+                #    engine idle until the sync has handed its KV cache's memory back.
+                queue.release_engine_memory()
                 with timed(metrics, "train"):
                     # (an empty batch still counts as a step, so the schedule does not depend on luck)
                     metrics.update(prefixed("train", _train_step(run, batch.groups, progress)))

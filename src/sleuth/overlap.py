@@ -112,6 +112,12 @@ class RolloutQueue:
         self.engine_version = version
         return stats
 
+    def release_engine_memory(self) -> int:
+        """Before the training step. Synchronous loop: the engine idles until the sync, so it gives its
+        KV cache's memory back while the trainer needs memory (RolloutEngine.release_memory; the
+        bytes released). Overlapped: the engine is generating the next batch, so nothing is released."""
+        return self.sampler.engine.release_memory() if self._worker is None else 0
+
     def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` (an evaluation) on the engine's worker after the queued work; wait for it."""
         return self._submit(fn, *args).result()

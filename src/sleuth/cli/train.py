@@ -203,11 +203,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(cfg: Any, run_dir: Path, resume: bool) -> int:
+    from sleuth.budget import process_age_s
     from sleuth.loop import train
 
     keep_stdout_for_results()
     print(f"run directory: {run_dir}", file=sys.stderr)
-    result = train(cfg, run_dir, resume=resume)
+    # From the command line the budget's clock starts with the process (interpreter start-up and
+    # imports included); a call from Python (tests, notebooks) starts it here.
+    command_line = sys.argv[1:2] == ["train"]
+    result = train(cfg, run_dir, resume=resume, elapsed_before_s=process_age_s() if command_line else 0.0)
     if result.interrupted:
         signum = result.stop_signal or signal.SIGINT
         how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"

@@ -162,6 +162,14 @@ class RolloutEngine(ABC):
         others sleuth.sync sends merged full weights instead."""
         raise NotImplementedError(f"{type(self).__name__} does not serve LoRA adapters (native_lora is False)")
 
+    # ------------------------------------------------------------------ memory
+
+    def release_memory(self) -> int:
+        """Give memory the engine holds only for generation back to the system while it idles; the
+        caller promises no generation until the next weight sync (whose new weights make any cached
+        KV stale anyway). Returns the bytes released; engines without such memory release none."""
+        return 0
+
     # ------------------------------------------------------------------ plumbing
 
     def _wait(self, fut: concurrent.futures.Future[T], step: str, timeout: float | None = None) -> T:

@@ -292,6 +292,20 @@ class VLLMEngine(RolloutEngine):
 
         self._call(load, "LoRA sync (sync_lora)")
 
+    def release_memory(self) -> int:
+        """On CPU, the KV cache's pages (rollout.kv_cache_gb, touched in full at start-up) go back to
+        the system until the next rollout writes them again: the training step never needs them at
+        the same time. The prefix cache is emptied first, so no stale block is read as cached."""
+        if not self.on_cpu:  # GPU memory is not the machine's resident set
+            return 0
+
+        def release() -> int:
+            if not self._engine.reset_prefix_cache():  # a block still in use: keep everything
+                return 0
+            return sum(self._engine.collective_rpc(_release_kv_cache))
+
+        return int(self._call(release, "KV cache release (release_memory)"))
+
     def stats(self) -> dict[str, float]:
         lim = self.limiter
         out = {k: float(v) for k, v in self._counts.items()}
@@ -475,6 +489,14 @@ class VLLMEngine(RolloutEngine):
             for k in gone:
                 del active[k]
                 self.limiter.release(k, None)
+
+
+def _release_kv_cache(worker: Any) -> int:
+    """Runs on vLLM's worker (in this process): its KV cache tensors' pages back to the system."""
+    from sleuth.allocator import release_pages
+
+    runner = getattr(worker, "worker", worker).model_runner
+    return release_pages(runner.kv_caches)
 
 
 def write_adapter(adapter: LoraAdapter, folder: Path, base_model: str) -> Path:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from sleuth.attention import PACKED, dense_mask, register_packed_attention, special_attention
 from sleuth.train.completion_attention import CompletionAttention
 from sleuth.train.packing import PackedRow
-from sleuth.train.recompute import Recipes
+from sleuth.train.recompute import recipe_scope
 
 
 def backend_for(device: torch.device | str, config: Any = None) -> str:
@@ -72,7 +72,7 @@ class RowLayout:
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float | None) -> torch.Tensor:
-        """[1, H, T, D] attention output of the row (what sleuth/attention.py calls on CPU)."""
+        """[1, T, H, D] attention output of the row, contiguous (what sleuth/attention.py calls on CPU)."""
         return _packed_sdpa(query, key, value, self, scaling)
 
 
@@ -120,24 +120,37 @@ def _join(parts: tuple[torch.Tensor, ...], which: tuple[int, ...]) -> torch.Tens
 
 def _packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: RowLayout,
                  scaling: float | None) -> torch.Tensor:
-    """[1, H, T, D] attention output of a packed row: root spans, then each node's children."""
+    """[1, T, H, D] attention output of a packed row (contiguous, as the output projection reads
+    it): root spans, then each node's children."""
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     # Head-major contiguous copies (a few MB; the model hands [1, T, H, D] storage viewed as
     # [1, H, T, D], which the CPU flash kernels read ~7% slower), with key/value heads repeated
     # to the query heads (the flash backward is ~10% faster without grouped-query indexing).
     query = query.contiguous()
     rep = query.shape[1] // key.shape[1]
-    if rep > 1 and torch.is_grad_enabled():
-        # The repeated heads are rebuilt in backward from the key/value heads themselves, kept
-        # instead: rep times less than what the attention calls below would keep.
-        with Recipes() as recipes:
+    if not torch.is_grad_enabled():
+        key, value = (t.repeat_interleave(rep, dim=1) if rep > 1 else t.contiguous() for t in (key, value))
+        return _token_major(_attend_pieces(query, key, value, layout, scale))
+    with recipe_scope() as recipes:
+        if rep > 1:  # the repeats are rebuilt in backward from the key/value heads, kept instead
             heads = [t.detach() for t in (key, value)]
             key, value = (t.repeat_interleave(rep, dim=1) for t in (key, value))
             recipes.add(key, _repeat(heads[0], rep))
             recipes.add(value, _repeat(heads[1], rep))
-            return _attend_pieces(query, key, value, layout, scale)
-    key, value = (t.repeat_interleave(rep, dim=1) if rep > 1 else t.contiguous() for t in (key, value))
-    return _attend_pieces(query, key, value, layout, scale)
+        else:
+            key, value = key.contiguous(), value.contiguous()
+        outs = _attend_pieces(query, key, value, layout, scale)
+        out = _token_major(outs)
+        # The output projection's LoRA keeps its input: rebuilt from the pieces, which the
+        # attention calls keep for their own backward (the padding piece is a few zeros).
+        pieces = [o.detach() for o in outs]
+        recipes.add(out, lambda: _token_major(pieces))
+        return out
+
+
+def _token_major(outs: list[torch.Tensor]) -> torch.Tensor:
+    """The pieces' outputs [1, H, t, D] joined along the sequence, as [1, T, H, D] contiguous."""
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
 def _repeat(heads: torch.Tensor, rep: int) -> Callable[[], torch.Tensor]:
@@ -145,7 +158,8 @@ def _repeat(heads: torch.Tensor, rep: int) -> Callable[[], torch.Tensor]:
 
 
 def _attend_pieces(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: RowLayout,
-                   scale: float) -> torch.Tensor:
+                   scale: float) -> list[torch.Tensor]:
+    """Each piece's output [1, H, t, D], in row order (padding last, as zeros)."""
     # One split per tensor into the layout's pieces: a split's backward is a single concatenation,
     # where slicing each part would allocate a full-size zero gradient per slice.
     pad = layout.length - sum(layout.pieces)
@@ -161,7 +175,7 @@ def _attend_pieces(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             outs[i] = part
     if pad:  # padding: its output is never read
         outs.append(torch.zeros_like(qs[-1]))
-    return torch.cat(outs, dim=2)  # type: ignore[arg-type]  # every piece is a root or some node's child
+    return outs  # type: ignore[return-value]  # every piece is a root or some node's child
 
 
 # ------------------------------------------------------------------ CUDA only (flex_attention)

@@ -1,6 +1,6 @@
 """Cheap activations rebuilt in backward instead of kept: the MLP's activation and product,
-RMSNorm's float32 copy of its input (and, through `Recipes`, train/attention.py's repeated
-key/value heads).
+RMSNorm's float32 copy of its input and its output (and, through `Recipes`, train/attention.py's
+repeated key/value heads and attention output).
 
     recompute_cheap_activations(model)     # once; returns how many modules it switched
 
@@ -8,16 +8,20 @@ Autograd keeps, for every decoder layer of a Llama-style model (measured on the 
 row of 1,342 tokens, docs/benchmarks.md "memory"):
 - the gated MLP `down(act(gate(x)) * up(x))`: four intermediate-wide tensors, gate(x) (for act's
   backward), act(gate(x)) and up(x) (for the product's) and the product itself (for the weight
-  gradient of down, or of its LoRA A): 0.6 GB of a 1.26 GB row;
-- RMSNorm: its input upcast to float32 (for the square and the scaling), twice per layer.
+  gradient of down, or of its LoRA A): 0.6 GB of a 1.26 GB bf16 row;
+- RMSNorm: its input upcast to float32 (for the square and the scaling), twice per layer, and its
+  output, which the LoRA A of the projections reading it keep (as the output projection's keeps
+  the attention output).
 
-act(gate) and the product are one elementwise pass each from gate and up, which stay kept, and
-the float32 copy is one cast from the bf16 input: so they are dropped after forward and rebuilt
-in backward (a `saved_tensors_hooks` pack that stores a recipe instead of the tensor). The
+act(gate) and the product are one elementwise pass each from gate and up, which stay kept; the
+float32 copy is one cast from the bf16 input, and the norm's output one more norm of that input,
+kept anyway: so they are dropped after forward and rebuilt in backward (a `saved_tensors_hooks`
+pack that stores a recipe instead of the tensor). A norm's output is saved by the modules after it,
+so each switched module's parent (the decoder layer) runs its forward inside one recipe scope. The
 recomputation repeats the same operations on the same inputs, so the values, and every gradient,
-are bit-identical; only what lives between forward and backward changes (1.26 -> 0.73 GB per
-default row with the attention's heads; a few ms of elementwise work per layer, and the measured
-step was no slower).
+are bit-identical; only what lives between forward and backward changes (per default row 1.26 ->
+0.73 GB in bf16 with the attention's heads; a few ms of elementwise work per layer, and the
+measured step was no slower).
 
 A module is switched only if it has the expected parts and its switched forward gives exactly the
 original's output on a random input, so an architecture whose norm or MLP computes something else
@@ -27,8 +31,11 @@ gradient checkpointing, which already recomputes whole layers through its own ho
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import types
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -74,36 +81,74 @@ def _view_of(build: Callable[[], torch.Tensor], view: tuple[int, ...]) -> Callab
 class Recipes:
     """Pack hook: a tensor registered with a recipe is saved as the recipe; others as they are.
 
+    One scope is open at a time per thread (`recipe_scope`): a switched module registers what it
+    makes into the open one, so a tensor is replaced wherever it is saved inside the scope, also by
+    the next module (a norm's output saved by the attention's and MLP's LoRA layers). Registration
+    holds the tensor weakly: it lives as long as the forward needs it and no longer.
+
     Autograd keeps the pack hook (not only the unpack hook) with every tensor saved under it until
-    backward, so the registered tensors are let go when the block ends: otherwise the hook itself
-    would keep alive what the recipes replace."""
+    backward, so the recipes are let go when the block ends: otherwise the hook itself would keep
+    alive what their closures hold."""
 
     def __init__(self) -> None:
-        self.entries: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []
+        self.entries: dict[int, list[tuple[weakref.ref[torch.Tensor], Callable[[], torch.Tensor]]]] = {}
         self._hooks = saved_tensors_hooks(self.pack, _unpack)
 
     def __enter__(self) -> Recipes:
         self._hooks.__enter__()
+        _open().append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        _open().remove(self)
         self._hooks.__exit__(*exc)
         self.entries.clear()
 
     def add(self, tensor: torch.Tensor, build: Callable[[], torch.Tensor]) -> None:
         """Save `tensor`, and any view of it, as `build()` (a new contiguous tensor, equal to it)."""
         if tensor.is_contiguous():  # what build() returns: views map onto it one to one
-            self.entries.append((tensor, build))
+            key = tensor.untyped_storage().data_ptr()
+            self.entries.setdefault(key, []).append((weakref.ref(tensor), build))
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        for kept, build in self.entries:
-            view = _view_within(tensor, kept)
-            if view is None:
+        for ref, build in self.entries.get(tensor.untyped_storage().data_ptr(), ()):
+            kept = ref()
+            view = None if kept is None else _view_within(tensor, kept)
+            if kept is None or view is None:  # gone (its memory reused), or another tensor there
                 continue
             if view == (0, *kept.shape, *kept.stride()):
                 return _Recipe(build)
             return _Recipe(_view_of(build, view))
         return tensor
+
+
+_THREAD = threading.local()
+
+
+def _open() -> list[Recipes]:
+    if not hasattr(_THREAD, "scopes"):
+        _THREAD.scopes = []
+    return _THREAD.scopes
+
+
+@contextlib.contextmanager
+def recipe_scope() -> Iterator[Recipes]:
+    """The Recipes scope open in this thread, else a new one for the block."""
+    scopes = _open()
+    if scopes:
+        yield scopes[-1]
+        return
+    with Recipes() as recipes:
+        yield recipes
+
+
+def _scoped_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """A module's forward inside one recipe scope (the parent of switched modules: a decoder layer,
+    so a norm's output is rebuilt where the modules after it save it)."""
+    if not torch.is_grad_enabled():
+        return self._unscoped_forward(*args, **kwargs)
+    with recipe_scope():
+        return self._unscoped_forward(*args, **kwargs)
 
 
 def _mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
@@ -112,7 +157,7 @@ def _mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled():
         return self.down_proj(self.act_fn(gate) * up)
     act, g, u = self.act_fn, gate.detach(), up.detach()
-    with Recipes() as recipes:
+    with recipe_scope() as recipes:
         activated = act(gate)
         recipes.add(activated, lambda: act(g))
         product = activated * up
@@ -121,14 +166,18 @@ def _mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rms_norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    """weight * (x / rms(x)) in float32, cast back: Llama's RMSNorm, keeping x instead of its upcast."""
+    """weight * (x / rms(x)) in float32, cast back: Llama's RMSNorm, keeping x only: its float32
+    upcast and its output (which the next layers' LoRA inputs save) are rebuilt from x."""
     upcast = x.to(torch.float32)
-    if upcast is x or not torch.is_grad_enabled():
+    if not torch.is_grad_enabled():
         return _rms_norm(self, upcast, x.dtype)
-    kept = x.detach()
-    with Recipes() as recipes:
-        recipes.add(upcast, lambda: kept.to(torch.float32))
-        return _rms_norm(self, upcast, x.dtype)
+    kept, dtype = x.detach(), x.dtype
+    with recipe_scope() as recipes:
+        if upcast is not x:
+            recipes.add(upcast, lambda: kept.to(torch.float32))
+        out = _rms_norm(self, upcast, dtype)
+        recipes.add(out, lambda: _rms_norm(self, kept.to(torch.float32), dtype))
+        return out
 
 
 def _rms_norm(self: Any, upcast: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -176,9 +225,19 @@ def recompute_cheap_activations(model: torch.nn.Module) -> int:
     """Switch every Llama-style gated MLP and RMSNorm of `model` to recompute its cheap
     activations in backward (see the module docstring); returns how many were switched."""
     switched = 0
-    for module in model.modules():
-        if _is_mlp(module):
-            switched += _switch_if_exact(module, _mlp_forward, _mlp_width(module))
-        elif _is_rms_norm(module):
-            switched += _switch_if_exact(module, _rms_norm_forward, int(module.weight.shape[0]))
+    parents: list[torch.nn.Module] = []
+    for parent in list(model.modules()):
+        for module in parent.children():
+            if _is_mlp(module):
+                done = _switch_if_exact(module, _mlp_forward, _mlp_width(module))
+            elif _is_rms_norm(module):
+                done = _switch_if_exact(module, _rms_norm_forward, int(module.weight.shape[0]))
+            else:
+                continue
+            switched += done
+            if done and all(parent is not p for p in parents):
+                parents.append(parent)
+    for parent in parents:  # one scope over each, so later modules' saves find the recipes
+        parent._unscoped_forward = parent.forward
+        parent.forward = types.MethodType(_scoped_forward, parent)
     return switched
