@@ -315,9 +315,10 @@ class LoopConfig(Section):
     seed: int = Field(0, ge=0)
     """Seed of everything random in the run (sampling, init, data order)."""
     time_budget_min: float | None = Field(None, gt=0)
-    """Wall-clock budget of the whole run in minutes (setup and evaluations included): no iteration
-    starts that would end past it, estimated from the iterations measured so far, keeping time for
-    the final evaluation. None: run all iterations. A resumed run continues on the remaining budget."""
+    """Wall-clock budget of the whole run in minutes (setup and evaluations included; `sleuth train`
+    counts from its process's start): no iteration starts that would end past it, estimated from
+    the iterations measured so far, keeping time for the final evaluation. None: run all
+    iterations. A resumed run continues on the remaining budget."""
     max_staleness: int = Field(0, ge=0)
     """0: synchronous (generate with the latest weights, then train). k >= 1: generation of the next
     batch overlaps training (k batches ahead, one-step off-policy at k=1); the update is corrected to
