@@ -8,7 +8,7 @@ Autograd keeps, for every decoder layer of a Llama-style model (measured on the 
 row of 1,342 tokens, docs/benchmarks.md "memory"):
 - the gated MLP `down(act(gate(x)) * up(x))`: four intermediate-wide tensors, gate(x) (for act's
   backward), act(gate(x)) and up(x) (for the product's) and the product itself (for the weight
-  gradient of down, or of its LoRA A): 0.6 GB of a 1.26 GB bf16 row;
+  gradient of down, or of its LoRA A): 0.5 GB of a bf16 row's 1.16 GB;
 - RMSNorm: its input upcast to float32 (for the square and the scaling), twice per layer, and its
   output, which the LoRA A of the projections reading it keep (as the output projection's keeps
   the attention output).
@@ -19,9 +19,9 @@ kept anyway: so they are dropped after forward and rebuilt in backward (a `saved
 pack that stores a recipe instead of the tensor). A norm's output is saved by the modules after it,
 so each switched module's parent (the decoder layer) runs its forward inside one recipe scope. The
 recomputation repeats the same operations on the same inputs, so the values, and every gradient,
-are bit-identical; only what lives between forward and backward changes (per default row 1.26 ->
-0.73 GB in bf16 with the attention's heads; a few ms of elementwise work per layer, and the
-measured step was no slower).
+are bit-identical; only what lives between forward and backward changes (per default row, all of
+it rebuilt: 1.16 -> 0.59 GB in bf16, 2.10 -> 1.33 GB in float32; a few ms of elementwise work per
+layer, and the measured step was no slower).
 
 A module is switched only if it has the expected parts and its switched forward gives exactly the
 original's output on a random input, so an architecture whose norm or MLP computes something else
