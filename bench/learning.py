@@ -41,6 +41,8 @@ ARMS: dict[str, list[str]] = {
     "curriculum": ["task.difficulty=1 -> 2 at 0.6"],
     "format": ["algorithm.format_reward=0.5"],
     "bf16": ["model.dtype=bfloat16"],
+    "structured": ["rollout.structured_output=true"],
+    "credit": ["rollout.structured_output=true", "algorithm.credit=answer"],
     "combined": ["algorithm.dynamic_sampling=true", "algorithm.mask_truncated=true",
                  "algorithm.overlong_buffer=16", "loop.max_staleness=1"],
 }

@@ -109,7 +109,7 @@ def naive_loss(policy: Policy, groups: list[Group], algo: AlgorithmConfig, max_t
             logp = logprobs(lm)
             n = logp.numel()
             old_lp = old.get((gi, ci), logp.detach())
-            adv = group.advantages[ci]
+            adv = group.advantages[ci] if comp.token_advantages is None else torch.tensor(comp.token_advantages)[keep]
             if algo.loss == "ppo_clip":
                 ratio = torch.exp(logp - old_lp)
             else:
@@ -195,6 +195,37 @@ def test_tree_packed_loss_and_gradients_equal_naive(lora: bool, loss: str, aggre
     assert max(pl.depth for r in batch.rows for pl in r.placements) >= 3
     assert batch.n_tokens < sum(len(pl.positions) for r in batch.rows for pl in r.placements)
     check_packed_equals_naive(policy, algo, groups, 96, seed)
+
+
+@pytest.mark.parametrize(("loss", "aggregation"), [("ppo_clip", "token_mean"), ("gspo", "seq_mean_token_mean")])
+def test_per_token_advantages_packed_equal_naive(loss: str, aggregation: str) -> None:
+    """Per-answer credit (Completion.token_advantages): each token's own advantage reaches the
+    loss, packed as naive, through split groups and shared rows."""
+    seed = 200 + (loss == "gspo")
+    policy = make_policy(True, need_reference=True, seed=seed)
+    algo = AlgorithmConfig(loss=loss, aggregation=aggregation, kl_beta=0.1, tis_cap=2.0, clip_low=0.05,
+                           clip_high=0.08)
+    groups = random_groups(seed, n_groups=3, n_comp=4)
+    rng = random.Random(seed)
+    for g in groups:
+        for c in g.completions[::2]:  # some completions per token, the others per sequence
+            c.token_advantages = [rng.uniform(-2.0, 2.0) for _ in c.completion_ids]
+    check_packed_equals_naive(policy, algo, groups, 24, seed)
+
+
+def test_token_advantages_equal_to_the_sequence_advantage_change_nothing() -> None:
+    algo = AlgorithmConfig()
+    groups = random_groups(7, n_groups=3, n_comp=3)
+    out = []
+    for per_token in (False, True):
+        policy = make_policy(True, seed=4)
+        for g in groups:
+            for c, a in zip(g.completions, g.advantages, strict=True):
+                c.token_advantages = [a] * len(c.completion_ids) if per_token else None
+        loss = Trainer(policy, algo, TrainerConfig(row_tokens=40), max_tokens=8).loss_and_gradients(groups)
+        out.append((loss, grads(policy)))
+    assert out[0][0] == out[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
 
 
 @pytest.mark.parametrize("attn", [PACKED, "sdpa"])

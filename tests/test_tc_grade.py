@@ -208,3 +208,19 @@ def test_temporal_clue_majority_vote_uses_the_answer_sheet() -> None:
     assert keys[0] == keys[1] != keys[2]
     rewards = [task.score(problem, t) for t in texts]
     assert majority_reward(rewards, keys) == 1.0
+
+
+def test_answer_parts_are_the_answers_the_grader_reads():
+    from sleuth.tasks.temporal_clue.grade import answer_parts
+
+    solution = {"A": "Mrs. White", "B": "Knife", "C": "Library"}
+    sheet = "Notes first.\nA. Miss Scarlet\nA) mrs white\r\nB. Rope\nC. Library"
+    parts = answer_parts(solution, sheet)
+    assert [(p.key, sheet[p.start:p.end], p.reward) for p in parts] == [
+        ("A", "A) mrs white", 1.0), ("B", "B. Rope", 0.0), ("C", "C. Library", 1.0)]
+    # With every answer on a line of its own, the parts' rewards average to the grade.
+    assert sum(p.reward for p in parts) / len(solution) == grade(solution, sheet)
+    # Several answers on one line: no part for them (their tokens keep the completion's advantage).
+    inline = "A. Mrs. White B. Knife\nC. Ballroom"
+    assert [(p.key, p.reward) for p in answer_parts(solution, inline)] == [("C", 0.0)]
+    assert answer_parts(solution, "") == [] and answer_parts({}, "A. x") == []

@@ -206,6 +206,11 @@ class RolloutConfig(Section):
     """Maximum new tokens per completion."""
     stop: list[str] = Field(default_factory=list)
     """Extra stop strings (EOS always stops)."""
+    structured_output: bool = False
+    """Constrain every completion, in training and evaluation, to the task's answer pattern
+    (Task.answer_pattern; Temporal Clue: the answer sheet with one listed choice per line) with
+    vLLM's structured outputs, so samples differ only in the answers they pick. Needs the vLLM engine
+    and a task with a pattern (checked at start-up)."""
     max_concurrency: int | None = Field(None, ge=1)
     """Most sequences in flight at once; None: vLLM admits samples while their expected KV blocks
     fit its cache (no preemption), the hf engine decodes 64 rows at a time."""
@@ -266,6 +271,11 @@ class AlgorithmConfig(Section):
     reward linearly, up to overlong_penalty at max_tokens (0: off). Logged as rollout/overlong_penalty."""
     overlong_penalty: float = Field(1.0, ge=0)
     """The largest over-length penalty (reached at rollout.max_tokens)."""
+    credit: Literal["sequence", "answer"] = "sequence"
+    """Which tokens an advantage reaches. sequence: every token of a completion takes the
+    completion's advantage. answer: each graded answer's tokens (Task.answer_parts; Temporal Clue:
+    each `A. ...` line) take the advantage of that answer's own reward within its group, computed
+    by algorithm.advantage per question; other tokens keep the completion's (train/credit.py)."""
     format_reward: float = Field(0.0, ge=0)
     """Weight of the task's format score (Task.format_score, in [0, 1]; Temporal Clue: the fraction
     of questions answered with one of their listed choices) added to the training reward; 0: off.

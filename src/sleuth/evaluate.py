@@ -29,6 +29,7 @@ from sleuth.records import Problem, SamplingParams
 from sleuth.rollout.base import GenerationRequest, RolloutEngine, to_groups
 from sleuth.scoring import VerifierRunner, chance_level, mean_se, score_groups
 from sleuth.seeds import derive_seed
+from sleuth.structured import constrained
 from sleuth.tasks.base import Task
 
 CORRECT = 1.0 - 1e-9
@@ -139,16 +140,19 @@ def evaluate(
     sampling: SamplingParams,
     verifier: VerifierRunner,
     seed: int = 0,
+    structured: bool = False,
 ) -> EvalResult:
     """Sample k completions per problem, score them, and summarize. Deterministic for a seed.
 
     Each request gets its own sampling seed (derived from seed and the problem position), so results do not depend
-    on how the engine batches them; a verifier that fails scores 0 (see sleuth.scoring).
+    on how the engine batches them; a verifier that fails scores 0 (see sleuth.scoring). structured: each
+    completion constrained to the task's answer pattern (rollout.structured_output, sleuth.structured).
     """
     start = time.perf_counter()
     prompts = [encode_chat(tokenizer, p.messages) for p in problems]
     requests = [
-        GenerationRequest(ids, n=k, sampling=replace(sampling, seed=derive_seed("eval", seed, i)), request_id=p.id)
+        GenerationRequest(ids, n=k, request_id=p.id,
+                          sampling=constrained(replace(sampling, seed=derive_seed("eval", seed, i)), task, p, structured))
         for i, (p, ids) in enumerate(zip(problems, prompts, strict=True))
     ]
     groups = to_groups(problems, prompts, engine.generate_all(requests))

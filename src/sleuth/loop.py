@@ -39,9 +39,11 @@ from sleuth.rollout.base import RolloutEngine
 from sleuth.sampling import Sampler, check_format_reward
 from sleuth.scoring import VerifierRunner, mean_se
 from sleuth.seeds import derive_seed
+from sleuth.structured import check_structured_output
 from sleuth.sync import WeightSync
 from sleuth.tasks.base import Task
 from sleuth.tasks.episodes import EpisodeRunner, find_rollout
+from sleuth.train.credit import check_answer_credit
 from sleuth.train.policy import Policy
 from sleuth.train.step import Trainer
 
@@ -166,6 +168,8 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     seed_everything(cfg.loop.seed, 0, cfg.loop.deterministic)
     task = build_task(cfg.task)
     check_format_reward(cfg, task)
+    check_answer_credit(cfg, task)
+    check_structured_output(cfg, task, engine_kind(cfg.rollout))
     eval_problems = list(task.eval_problems())[: cfg.task.eval_size] if cfg.loop.evaluate else []
     if cfg.model.quantization != "none" and cfg.rollout.native_lora:
         raise UserError("rollout.native_lora serves the adapter on the unquantized base, which "
@@ -390,7 +394,8 @@ def _evaluate(run: Run, iteration: int, progress: Progress, budget: TimeBudget |
                                        seed=derive_seed(EVAL_SEED_TAG, cfg.loop.seed))
         else:
             result = evaluate(run.engine, run.task, run.policy.tokenizer, run.eval_problems, cfg.eval.k,
-                              eval_sampling(cfg), run.verifier, seed=derive_seed(EVAL_SEED_TAG, cfg.loop.seed))
+                              eval_sampling(cfg), run.verifier, seed=derive_seed(EVAL_SEED_TAG, cfg.loop.seed),
+                              structured=cfg.rollout.structured_output)
     finally:
         progress.remove(bar)
     if result.warning:

@@ -40,6 +40,10 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    regex: str | None = None
+    """Structured output: the completion must match this regular expression (the engine masks
+    every token that would leave it, and ends the completion where it is complete); None: free text.
+    Per request: the sampler and the evaluation set it from `Task.answer_pattern(problem)`."""
 
 
 @dataclass
@@ -53,6 +57,19 @@ class Sample:
     text: str
     time_s: float = 0.0
     """Wall time from the request's start until this sample finished."""
+
+
+@dataclass(frozen=True)
+class AnswerPart:
+    """One graded answer inside a completion's text (per-answer credit, train/credit.py)."""
+
+    key: str
+    """Which answer it is (a question's letter): parts with the same key are compared across a group."""
+    start: int
+    end: int
+    """Its characters in the completion text: text[start:end]."""
+    reward: float
+    """This answer's own reward (1.0 right, 0.0 wrong)."""
 
 
 @dataclass
@@ -75,6 +92,10 @@ class Completion:
     `prompt_ids` may differ between completions of one group (a call that does not extend the
     episode's previous call starts a new sequence with its own prompt); packing shares the longest
     common token prefixes of the full sequences (prompt_ids + completion_ids)."""
+    token_advantages: list[float] | None = None
+    """Per-answer credit (algorithm.credit=answer): the advantage of each completion token (same
+    length as completion_ids), each answer's tokens taking that answer's own; None: every token
+    takes the group's advantage for the completion (Group.advantages)."""
 
 
 @dataclass

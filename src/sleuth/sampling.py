@@ -37,8 +37,10 @@ from sleuth.records import Group, Problem, SamplingParams
 from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngine, to_groups
 from sleuth.scoring import VerifierRunner, mean_se, score_groups
 from sleuth.seeds import derive_seed
+from sleuth.structured import constrained
 from sleuth.tasks.base import Task
 from sleuth.train.advantages import ZERO_TOL, compute_advantages
+from sleuth.train.credit import assign_answer_credit, has_signal
 
 
 def request_seed(seed: int, iteration: int, index: int) -> int:
@@ -126,7 +128,7 @@ class Sampler:
             if self.episodes is not None:
                 groups = self._run_episodes(iteration, len(all_groups), problems, times, outcomes)
             else:
-                groups = self._generate_and_score(iteration, len(all_groups), problems, times)
+                groups = self._generate_and_score(task, iteration, len(all_groups), problems, times)
             all_groups.extend(groups)
             kept, kept_positions = self._advantages(task, groups, positions, batch.metrics)
             drops += len(groups) - len(kept)
@@ -152,15 +154,17 @@ class Sampler:
 
     # ------------------------------------------------------------------ the steps of a round
 
-    def _generate_and_score(self, iteration: int, first_index: int, problems: list[Problem],
+    def _generate_and_score(self, task: Task, iteration: int, first_index: int, problems: list[Problem],
                             times: dict[str, float]) -> list[Group]:
         seed = self.cfg.loop.seed
         t = time.perf_counter()
         prompts = [encode_chat(self.tokenizer, p.messages) for p in problems]
+        structured = self.cfg.rollout.structured_output
         requests = [
             GenerationRequest(ids, n=self.cfg.rollout.samples_per_task, request_id=f"{iteration}-{j}",
-                              sampling=replace(self.sampling, seed=request_seed(seed, iteration, j)))
-            for j, ids in enumerate(prompts, start=first_index)
+                              sampling=constrained(replace(self.sampling, seed=request_seed(seed, iteration, j)),
+                                                   task, p, structured))
+            for j, (p, ids) in enumerate(zip(problems, prompts, strict=True), start=first_index)
         ]
         results = generate(self.engine, requests, self.progress)
         times["rollout"] += time.perf_counter() - t
@@ -204,12 +208,13 @@ class Sampler:
                     c.reward_info["format_reward"] = f
                     c.reward += f
         with_adv, _ = compute_advantages(groups, algo.advantage, drop_zero=False)
+        if algo.credit == "answer":
+            metrics.update(assign_answer_credit(with_adv, task, algo.advantage, self.tokenizer))
         for g, rewards in zip(groups, verifier_rewards, strict=True):  # keep the verifier's reward visible
             for c, r in zip(g.completions, rewards, strict=True):
                 c.reward_info["verifier_reward"] = r
         drop = algo.drop_zero_advantage or algo.dynamic_sampling
-        kept = [(g, p) for g, p in zip(with_adv, positions, strict=True)
-                if not (drop and all(abs(a) < ZERO_TOL for a in g.advantages or []))]
+        kept = [(g, p) for g, p in zip(with_adv, positions, strict=True) if not (drop and not has_signal(g, ZERO_TOL))]
         if algo.mask_truncated:
             kept = [(mask_truncated(g), p) for g, p in kept]
             kept = [(g, p) for g, p in kept if g.completions]

@@ -69,8 +69,9 @@ def run(args: argparse.Namespace) -> int:
     from sleuth.evaluate import eval_sampling, evaluate, evaluate_episodes
     from sleuth.hardware import resolve_dtype
     from sleuth.models import load_tokenizer
-    from sleuth.rollout.factory import make_engine
+    from sleuth.rollout.factory import engine_kind, make_engine
     from sleuth.scoring import VerifierRunner
+    from sleuth.structured import check_structured_output
     from sleuth.tasks.episodes import EpisodeRunner, find_rollout
     from sleuth.tasks.registry import build_task
 
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--out {out} is a file, not a folder")
     fsio.check_writable(out)  # before the model loads and the samples are drawn
     task = build_task(cfg.task)
+    check_structured_output(cfg, task, engine_kind(cfg.rollout))
     problems = list(task.eval_problems())[: cfg.task.eval_size]
     if not problems:
         raise UserError(f"task {cfg.task.name} has no held-out problems")
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 with VerifierRunner.from_config(task, cfg.task) as verifier:
                     result = evaluate(engine, task, tokenizer, problems, k, eval_sampling(cfg), verifier,
-                                      seed=cfg.loop.seed)
+                                      seed=cfg.loop.seed, structured=cfg.rollout.structured_output)
         finally:
             engine.close()
     finally:

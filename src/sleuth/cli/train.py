@@ -86,8 +86,14 @@ def dry_run(cfg: Any) -> list[str]:
         check_lora_targets(model_skeleton(resolve_model_path(cfg.model.path)), cfg.model.lora.target_modules)
     task = build_task(cfg.task)
     from sleuth.sampling import check_format_reward
+    from sleuth.train.credit import check_answer_credit
 
     check_format_reward(cfg, task)
+    check_answer_credit(cfg, task)
+    from sleuth.rollout.factory import engine_kind
+    from sleuth.structured import check_structured_output
+
+    check_structured_output(cfg, task, engine_kind(cfg.rollout))
     problems = task.eval_problems()
     lines.append(f"task: {cfg.task.name} ({len(problems)} held-out problems, first training problem "
                  f"'{task.train_problem(0).id}')")

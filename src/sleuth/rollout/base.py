@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import re
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -58,10 +59,12 @@ class RolloutTimeoutError(RuntimeError):
     """An engine step (a generation or a weight sync) did not finish within its timeout."""
 
 
-def check_request(request: GenerationRequest, context_len: int, vocab_size: int) -> int:
+def check_request(request: GenerationRequest, context_len: int, vocab_size: int,
+                  structured_output: bool = False) -> int:
     """Reject a malformed request with one clear UserError; return the effective max new tokens.
 
     The completion is capped where the context ends (finish reason "length"), as vLLM does.
+    structured_output: the engine can constrain a completion to `sampling.regex`.
     """
     rid = request.request_id or "<unnamed>"
     s = request.sampling
@@ -77,6 +80,14 @@ def check_request(request: GenerationRequest, context_len: int, vocab_size: int)
         raise UserError(f"rollout request {rid}: top_p must be in (0, 1], got {s.top_p}")
     if any(not stop for stop in s.stop):
         raise UserError(f"rollout request {rid}: empty stop string")
+    if s.regex is not None:
+        if not structured_output:
+            raise UserError(f"rollout request {rid}: a regex (structured output) needs the vllm engine; "
+                            "this engine samples free text only")
+        try:
+            re.compile(s.regex)
+        except re.error as e:
+            raise UserError(f"rollout request {rid}: regex is not a valid regular expression: {e}") from None
     ids = request.prompt_ids
     if min(ids) < 0 or max(ids) >= vocab_size:  # two C-level passes: multi-turn prompts run to thousands of ids
         bad = next(t for t in ids if not 0 <= t < vocab_size)

@@ -226,7 +226,7 @@ class VLLMEngine(RolloutEngine):
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         self._check_alive()
-        max_new = check_request(request, self.context_len, self.vocab_size)
+        max_new = check_request(request, self.context_len, self.vocab_size, structured_output=True)
         seed = request.sampling.seed
         if seed is None:
             seed = engine_request_seed(self.seed, next(self._counter))
@@ -432,7 +432,7 @@ class VLLMEngine(RolloutEngine):
 
     def _admit(self, pending: deque[tuple[_Group, int]], active: dict[str, _Active]) -> None:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         while pending:
             g, i = pending[0]
@@ -446,6 +446,7 @@ class VLLMEngine(RolloutEngine):
                 n=1, temperature=s.temperature, top_p=s.top_p, max_tokens=g.max_new, stop=list(s.stop),
                 include_stop_str_in_output=True, seed=sample_seed(g.seed, i), logprobs=0,
                 output_kind=RequestOutputKind.DELTA, detokenize=bool(s.stop),
+                structured_outputs=StructuredOutputsParams(regex=s.regex) if s.regex else None,
             )
             self._engine.add_request(key, {"prompt_token_ids": list(g.request.prompt_ids)}, params,
                                      lora_request=self._lora_request)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from sleuth.records import Problem
+from sleuth.records import AnswerPart, Problem
 
 
 class Task(ABC):
@@ -33,6 +33,19 @@ class Task(ABC):
         correctness; None when the task has no format to check. Weighted by
         algorithm.format_reward and added to the training reward (never to evaluation). It runs in
         the trainer's process, so it must be cheap and must not raise."""
+        return None
+
+    def answer_parts(self, problem: Problem, completion: str) -> list[AnswerPart] | None:
+        """The graded answers in a completion's text, each with its span and its own reward, for
+        per-answer credit (algorithm.credit=answer); None when the task grades a completion as a
+        whole. A question the completion leaves unanswered has no part (it counts as reward 0).
+        Runs in the trainer's process: must be cheap and must not raise."""
+        return None
+
+    def answer_pattern(self, problem: Problem) -> str | None:
+        """A regular expression every well-formed answer to `problem` matches, for structured
+        output (rollout.structured_output: the engine samples only completions that match it);
+        None when the task has none. `sleuth.structured.regex_literal` / `one_of` build literal parts."""
         return None
 
     def chance_reward(self, problem: Problem) -> float | None:

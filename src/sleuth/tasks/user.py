@@ -8,7 +8,8 @@
 
 - an iterable of problem dicts: {"prompt": str} or {"messages": [chat messages]}, plus "answer"
   (anything your verifier understands), and optionally "id" and "split" ("train", the default,
-  or "eval"). Training visits the train problems in epoch-wise permutations seeded by
+  or "eval"), and "answer_pattern", a regular expression its answers match (for
+  rollout.structured_output). Training visits the train problems in epoch-wise permutations seeded by
   cfg.seed; the held-out set is the first cfg.eval_size "eval" problems, or, when none is
   marked "eval", the first cfg.eval_size train problems (then it overlaps training: mark some);
 - or a ready sleuth.tasks.base.Task instance, used as is.
@@ -73,6 +74,8 @@ def _to_problem(item: Any, index: int, system_prompt: str | None, source: str) -
     split = item.get("split", "train")
     if split not in ("train", "eval"):
         raise DataError(f"{where}: 'split' must be 'train' or 'eval', got {split!r}")
+    if not isinstance(item.get("answer_pattern", ""), str):
+        raise DataError(f"{where}: 'answer_pattern' must be a string (a regular expression)")
     metadata = {k: v for k, v in item.items() if k not in ("id", "prompt", "messages", "answer", "split")}
     return split, Problem(str(item.get("id", f"{split}-{index}")), messages, item["answer"], metadata)
 
@@ -153,6 +156,10 @@ class UserTask(Task):
 
     def eval_problems(self) -> list[Problem]:
         return list(self._eval)
+
+    def answer_pattern(self, problem: Problem) -> str | None:
+        """The problem dict's "answer_pattern", if it gave one."""
+        return problem.metadata.get("answer_pattern")
 
     def score(self, problem: Problem, completion: str) -> float:
         # The value as returned: sleuth.scoring checks it (a string such as "1.0" is an error,

@@ -156,6 +156,11 @@ def validate_groups(groups: list[Group]) -> None:
             )
         if not all(math.isfinite(a) for a in group.advantages):
             raise UserError(f"{name} has a non-finite advantage")
+        for j, c in enumerate(group.completions):
+            t = c.token_advantages
+            if t is not None and (len(t) != len(c.completion_ids) or not all(math.isfinite(a) for a in t)):
+                raise UserError(f"{name} completion {j}: token_advantages must be {len(c.completion_ids)} finite "
+                                f"numbers, one per completion token")
         for c, comp in enumerate(group.completions):
             _validate_completion(comp, f"{name} completion {c}")
 
@@ -383,7 +388,10 @@ def _build_row(groups: list[Group], parts: list[tuple[int, list[_Node]]], seq_of
             engine.extend(comp.logprobs[k] for k in picked)
             seq = seq_offset[g] + c
             token_seq.extend([seq] * len(picked))
-            adv.extend([float(group.advantages[c])] * len(picked))
+            if comp.token_advantages is None:
+                adv.extend([float(group.advantages[c])] * len(picked))
+            else:  # per-answer credit (train/credit.py)
+                adv.extend(float(comp.token_advantages[k]) for k in picked)
             placements.append(Placement(seq, g, c, tuple(positions), plen, len(path), len(picked)))
     pad = (-len(b.ids)) % pad_to_multiple
     n = len(b.ids)

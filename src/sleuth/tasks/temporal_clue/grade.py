@@ -35,6 +35,8 @@ import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 
+from sleuth.records import AnswerPart
+
 # What may stand right before a marker's letter: whitespace (or the text's start), an opening
 # bracket or quote, or markdown, so that "Mrs." and "U.S." are never markers.
 _BEFORE_MARKER = frozenset(" \t\n\r\f\v([{|>\"'*_`#-+")
@@ -215,6 +217,34 @@ def _fraction_answered(accepted: Iterable[tuple[str, Sequence[str]]], completion
     hits = sum(1 for letter, answers in letters.items()
                if letter in given and any(answer_matches(given[letter], a) for a in answers))
     return hits / len(items)
+
+
+def answer_parts(solution: Mapping[str, str], completion: str) -> list[AnswerPart]:
+    """Each answer the grader reads from a line of its own (`C. Library`), with that line's span and
+    its own reward (1.0 right, 0.0 wrong): per-answer credit (train/credit.py). An answer the grader
+    reads from a line holding several markers, or not from its last line of its own, has no part
+    (its tokens keep the completion's advantage). Never raises."""
+    if not isinstance(completion, str) or not solution:
+        return []
+    truths = {str(letter).upper(): str(truth) for letter, truth in solution.items()}
+    letters = "".join(sorted(c for c in truths if len(c) == 1 and c.isascii() and c.isalpha()))
+    if not letters:
+        return []
+    given = extract_answers(completion, set(letters))
+    lines: dict[str, tuple[int, int, str]] = {}  # letter -> its last line of its own
+    start = 0
+    for line in completion.splitlines(keepends=True):
+        end = start + len(line.rstrip("\r\n"))
+        markers = _markers(completion, letters, start, end)
+        if len(markers) == 1:
+            at, answer_start = markers[0]
+            lines[completion[at].upper()] = (start, end, completion[answer_start:end])
+        start += len(line)
+    parts = []
+    for letter, (begin, end, answer) in lines.items():
+        if letter in given and given[letter].rstrip() == answer.rstrip():
+            parts.append(AnswerPart(letter, begin, end, 1.0 if answer_matches(answer, truths[letter]) else 0.0))
+    return sorted(parts, key=lambda p: p.start)
 
 
 def answer_sheet_key(letters: Iterable[str], completion: str) -> tuple[tuple[str, str], ...] | None:

@@ -21,12 +21,13 @@ from typing import Any
 
 from sleuth.config import TaskConfig
 from sleuth.errors import DataError
-from sleuth.records import Message, Problem
+from sleuth.records import AnswerPart, Message, Problem
 from sleuth.seeds import derive_seed
+from sleuth.structured import one_of, regex_literal
 from sleuth.tasks.base import Task
 from sleuth.tasks.order import stream_index
 from sleuth.tasks.temporal_clue.dataset import add_choices, load_puzzles, parse_choices
-from sleuth.tasks.temporal_clue.grade import answer_sheet_key, grade, valid_fraction
+from sleuth.tasks.temporal_clue.grade import answer_parts, answer_sheet_key, grade, valid_fraction
 
 EVAL_SEED_OFFSET = 1
 """Held-out puzzle j is generated with seed 2 * j + EVAL_SEED_OFFSET (odd)."""
@@ -145,6 +146,10 @@ class TemporalClueTask(Task):
     def score(self, problem: Problem, completion: str) -> float:
         return grade(problem.answer, completion)
 
+    def answer_parts(self, problem: Problem, completion: str) -> list[AnswerPart] | None:
+        """Each answer on a line of its own, with its own reward (per-answer credit)."""
+        return answer_parts(problem.answer, completion)
+
     def answer_key(self, problem: Problem, completion: str) -> tuple[tuple[str, str], ...] | None:
         """maj@k votes on the whole answer sheet (every question's answer), not on the raw text."""
         return answer_sheet_key(problem.answer, completion)
@@ -155,6 +160,13 @@ class TemporalClueTask(Task):
         if not choices:
             return None
         return valid_fraction({q: choices[q] for q in problem.answer if q in choices}, completion)
+
+    def answer_pattern(self, problem: Problem) -> str | None:
+        """The answer sheet: one line per question, in order, `A. <one of its choices>` (None without choices)."""
+        choices = problem.metadata.get("choices")
+        if not choices or any(not choices.get(q) for q in problem.answer):
+            return None
+        return "\n".join(regex_literal(f"{q}. ") + one_of(choices[q]) for q in problem.answer)
 
     def chance_reward(self, problem: Problem) -> float | None:
         choices = problem.metadata.get("choices")

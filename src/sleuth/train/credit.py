@@ -1,0 +1,84 @@
+"""Per-answer credit: each graded answer's tokens take the advantage of that answer's own reward.
+
+    groups = assign_answer_credit(groups, task, "grpo", tokenizer)   # algorithm.credit=answer
+
+A Temporal Clue sheet answers 5-8 questions, and the verifier's reward is the fraction right. With
+one advantage per completion (GRPO), the tokens that picked the right room on line C are pushed by
+how the other lines went too: six lines of noise for one line of signal. Here each answer is its
+own small group: question q's rewards across the group's completions (0 where a completion left q
+unanswered) go through the configured estimator, and the tokens of completion i's line q take
+advantage_q(i). Tokens outside every answer (a preamble, newlines, the EOS token) keep the
+completion's own advantage, so reward shaping (over-length penalty, format reward) still reaches
+them. With structured output (sleuth.structured) every token but the answers' is forced anyway.
+
+Token spans come from the text: the end of each token's decoded prefix locates it; a token that
+overlaps two answers, or an answer and the text between, keeps the completion's advantage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sleuth.config import Config
+from sleuth.errors import ConfigError
+from sleuth.records import AnswerPart, Group
+from sleuth.tasks.base import Task
+from sleuth.train.advantages import get_advantage
+
+
+def check_answer_credit(cfg: Config, task: Task) -> None:
+    """algorithm.credit=answer needs a task that grades answers one by one: a one-line error at start-up."""
+    if cfg.algorithm.credit == "answer" and type(task).answer_parts is Task.answer_parts:
+        raise ConfigError(f"algorithm.credit=answer: task {cfg.task.name!r} grades a completion as a whole "
+                          "(no Task.answer_parts); set algorithm.credit=sequence")
+
+
+def token_char_ends(tokenizer: Any, ids: list[int]) -> list[int]:
+    """The end, in the decoded text, of each token's prefix (special tokens decode to nothing)."""
+    return [len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
+
+
+def token_parts(parts: list[AnswerPart], ends: list[int]) -> list[int]:
+    """For each token, the index of the answer part whose span holds all of its characters, or -1.
+
+    A token with no characters of its own (a special token) belongs to no part."""
+    out, j, begin = [], 0, 0
+    for end in ends:
+        while j < len(parts) and parts[j].end <= begin:
+            j += 1
+        inside = j < len(parts) and end > begin and parts[j].start <= begin and end <= parts[j].end
+        out.append(j if inside else -1)
+        begin = end
+    return out
+
+
+def assign_answer_credit(groups: list[Group], task: Task, estimator: str, tokenizer: Any) -> dict[str, float]:
+    """Fill `Completion.token_advantages` of every completion of the groups (advantages already
+    computed); returns metrics: the share of completion tokens that took an answer's advantage."""
+    fn = get_advantage(estimator)
+    credited = total = 0
+    for group in groups:
+        assert group.advantages is not None, "compute_advantages first"
+        if group.episode_index is not None:  # episodes: sequences of turns, graded as a whole
+            continue
+        parts = [sorted(task.answer_parts(group.problem, c.text) or [], key=lambda p: p.start)
+                 for c in group.completions]
+        keys = sorted({p.key for ps in parts for p in ps})
+        per_key = {}
+        for key in keys:
+            rewards = [next((p.reward for p in ps if p.key == key), 0.0) for ps in parts]
+            per_key[key] = [float(a) for a in fn(rewards)]
+        for i, (c, ps) in enumerate(zip(group.completions, parts, strict=True)):
+            owner = token_parts(ps, token_char_ends(tokenizer, c.completion_ids)) if ps else [-1] * len(c.completion_ids)
+            c.token_advantages = [group.advantages[i] if j < 0 else per_key[ps[j].key][i] for j in owner]
+            credited += sum(j >= 0 for j in owner)
+            total += len(owner)
+    return {"train/answer_credit_frac": credited / total if total else 0.0}
+
+
+def has_signal(group: Group, tol: float) -> bool:
+    """Whether any token of the group carries a non-zero advantage (sequence or per-answer)."""
+    if any(abs(a) >= tol for a in group.advantages or []):
+        return True
+    return any(abs(a) >= tol for c in group.completions for a in (c.token_advantages or []))
+

@@ -1,0 +1,144 @@
+"""Per-answer credit (train/credit.py): each answer's tokens take the advantage of that answer's
+own reward within its group; everything else keeps the completion's advantage."""
+
+from __future__ import annotations
+
+import pytest
+
+from sleuth.cli import main
+from sleuth.config import load_config
+from sleuth.errors import ConfigError, UserError
+from sleuth.models import load_tokenizer
+from sleuth.records import AnswerPart, Completion, Group, Problem
+from sleuth.tasks.temporal_clue.task import TemporalClueTask
+from sleuth.train.advantages import compute_advantages, grpo, rloo
+from sleuth.train.credit import (
+    assign_answer_credit,
+    check_answer_credit,
+    has_signal,
+    token_char_ends,
+    token_parts,
+)
+from sleuth.train.packing import pack_groups
+
+SOLUTION = {"A": "Mrs. White", "B": "Knife", "C": "Library"}
+SHEETS = [
+    "A. Mrs. White\nB. Knife\nC. Ballroom",   # A, B right
+    "A. Miss Scarlet\nB. Knife\nC. Library",  # B, C right
+    "A. Mrs. White\nB. Wrench\nC. Library",   # A, C right
+    "Let me think.\nA. Mrs. White\nB. Rope",  # A right, C unanswered
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return load_tokenizer(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def task():
+    return TemporalClueTask(load_config(None, []).task)
+
+
+def group_of(tokenizer, texts: list[str]) -> Group:
+    problem = Problem("p", [], dict(SOLUTION), {})
+    comps = []
+    for t in texts:
+        ids = [*tokenizer.encode(t, add_special_tokens=False), tokenizer.eos_token_id]
+        comps.append(Completion([1, 2, 3], ids, [-1.0] * len(ids), "stop", t))
+    return Group(problem, [1, 2, 3], comps)
+
+
+def test_token_spans_follow_the_decoded_text(tokenizer):
+    text = "A. Mrs. White\nB. Knife"
+    ids = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
+    ends = token_char_ends(tokenizer, ids)
+    assert ends[-1] == ends[-2] == len(text)  # EOS adds no characters
+    parts = [AnswerPart("A", 0, 13, 1.0), AnswerPart("B", 14, 22, 0.0)]
+    owner = token_parts(parts, ends)
+    begins = [0, *ends[:-1]]
+    for k, j in enumerate(owner):
+        if j >= 0:
+            assert parts[j].start <= begins[k] < ends[k] <= parts[j].end
+        elif ends[k] > begins[k]:  # a token with characters outside every part: the newline
+            assert text[begins[k]:ends[k]] == "\n"
+    assert owner[-1] == -1  # EOS: no characters, no part
+    # Byte-level tokens: every character of both lines is credited, the newline is not.
+    assert sum(j == 0 for j in owner) == 13 and sum(j == 1 for j in owner) == 8
+
+
+def test_each_answer_takes_its_own_advantage(tokenizer, task):
+    group = group_of(tokenizer, SHEETS)
+    for c in group.completions:
+        c.reward = task.score(group.problem, c.text)
+    (group,), _ = compute_advantages([group], "grpo", drop_zero=False)
+    metrics = assign_answer_credit([group], task, "grpo", tokenizer)
+    expected = {"A": grpo([1, 0, 1, 1]), "B": grpo([1, 1, 0, 0]), "C": grpo([0, 1, 1, 0])}
+    for i, c in enumerate(group.completions):
+        ends = token_char_ends(tokenizer, c.completion_ids)
+        begins = [0, *ends[:-1]]
+        parts = {p.key: p for p in task.answer_parts(group.problem, c.text)}
+        for k, adv in enumerate(c.token_advantages):
+            line = next((p for p in parts.values() if p.start <= begins[k] and ends[k] <= p.end and ends[k] > begins[k]),
+                        None)
+            want = group.advantages[i] if line is None else expected[line.key][i]
+            assert adv == pytest.approx(want), (i, k, c.text[begins[k]:ends[k]])
+    # "Let me think." and every newline and EOS keep the sequence advantage.
+    first = group.completions[3]
+    assert first.token_advantages[0] == pytest.approx(group.advantages[3])
+    assert 0 < metrics["train/answer_credit_frac"] < 1
+
+
+def test_the_configured_estimator_is_applied_per_answer(tokenizer, task):
+    group = group_of(tokenizer, SHEETS[:3])
+    (group,), _ = compute_advantages([group], "rloo", drop_zero=False)
+    assign_answer_credit([group], task, "rloo", tokenizer)
+    c = group.completions[1]  # "A. Miss Scarlet": A wrong while the two others got it right
+    ends = token_char_ends(tokenizer, c.completion_ids)
+    assert c.token_advantages[ends.index(len("A. Miss Scarlet"))] == pytest.approx(rloo([1, 0, 1])[1])
+
+
+def test_a_group_with_equal_totals_still_has_a_signal(tokenizer, task):
+    group = group_of(tokenizer, SHEETS[:3])  # every sheet has two of three right: zero sequence advantage
+    for c in group.completions:
+        c.reward = task.score(group.problem, c.text)
+    (group,), _ = compute_advantages([group], "grpo", drop_zero=False)
+    assert not has_signal(group, 1e-12)
+    assign_answer_credit([group], task, "grpo", tokenizer)
+    assert has_signal(group, 1e-12)
+    # Each line's first token: per question the advantages over the group sum to zero, not all zero.
+    for key, start in (("A", 0), ("B", None), ("C", None)):
+        firsts = []
+        for c in group.completions:
+            at = start if start is not None else c.text.index(f"\n{key}.") + 1
+            ends = token_char_ends(tokenizer, c.completion_ids)
+            firsts.append(c.token_advantages[next(k for k, e in enumerate(ends) if e > at)])
+        assert sum(firsts) == pytest.approx(0.0, abs=1e-6) and max(map(abs, firsts)) > 0.5, key
+    batch = pack_groups([group], 512)  # and they reach the packed row
+    assert float(batch.rows[0].advantages.abs().max()) > 0.5
+
+
+def test_bad_token_advantages_are_refused(tokenizer):
+    group = group_of(tokenizer, SHEETS[:2])
+    group.advantages = [0.5, -0.5]
+    group.completions[0].token_advantages = [1.0]
+    with pytest.raises(UserError, match="completion 0: token_advantages must be"):
+        pack_groups([group], 512)
+    group.completions[0].token_advantages = [float("nan")] * len(group.completions[0].completion_ids)
+    with pytest.raises(UserError, match="token_advantages"):
+        pack_groups([group], 512)
+
+
+def test_credit_needs_a_task_with_answer_parts(tmp_path, task, capsys):
+    check_answer_credit(load_config(None, ["algorithm.credit=answer"]), task)
+    math_file = tmp_path / "m.jsonl"
+    math_file.write_text('{"problem": "1+1", "answer": 2}\n')
+    cfg = load_config(None, ["task.name=math", f"task.train_path={math_file}", f"task.eval_path={math_file}",
+                             "algorithm.credit=answer"])
+    from sleuth.tasks.math import MathTask
+
+    with pytest.raises(ConfigError, match="task 'math' grades a completion as a whole"):
+        check_answer_credit(cfg, MathTask(cfg.task))
+    assert main(["train", "--dry-run", "task.eval_size=2", "algorithm.credit=answers"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "algorithm.credit" in err[0]

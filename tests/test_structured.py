@@ -1,0 +1,176 @@
+"""Structured output (sleuth.structured): answer patterns, the start-up checks, and vLLM sampling
+only completions that match them, in training and in the held-out evaluation."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import re
+
+import pytest
+
+from sleuth.cli import main
+from sleuth.config import load_config
+from sleuth.errors import ConfigError, DataError, UserError
+from sleuth.records import Problem, SamplingParams
+from sleuth.rollout.base import GenerationRequest, check_request
+from sleuth.structured import check_structured_output, constrained, one_of, regex_literal
+from sleuth.tasks.temporal_clue.grade import grade, valid_fraction
+from sleuth.tasks.temporal_clue.task import TemporalClueTask
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+YES_NO_TASK = '''
+def problems(cfg):
+    for i in range(12):
+        yield {"id": f"p{i}", "prompt": f"Say yes or no ({i})", "answer": "yes",
+               "answer_pattern": "(yes|no)( [ab]{1,3})?", "split": "eval" if i < 2 else "train"}
+
+
+def verify(answer, text):
+    return 1.0 if text.startswith(answer) else 0.0
+'''
+
+
+def test_regex_literal_matches_exactly_the_text():
+    texts = ["Mrs. White", "11:45 PM", "a+b (c)|[d]*?^$\\{e}", "Cloak Room"]
+    for text in texts:
+        pattern = regex_literal(text)
+        assert re.fullmatch(pattern, text)
+        assert " " not in text or "\\ " not in pattern  # spaces stay plain (xgrammar warns on "\ ")
+    assert not re.fullmatch(regex_literal("Mrs. White"), "Mrsx White")
+    group = one_of(["Mrs. White", "Knife"])
+    assert [bool(re.fullmatch(group, t)) for t in ("Mrs. White", "Knife", "Mrs_ White", "Mrs. WhiteKnife")] == \
+        [True, True, False, False]
+    with pytest.raises(ValueError, match="no options"):
+        one_of([])
+
+
+@pytest.fixture(scope="module")
+def tc_task():
+    cfg = load_config(None, ["task.eval_size=4"]).task
+    return TemporalClueTask(cfg)
+
+
+def test_temporal_clue_pattern_is_the_answer_sheet(tc_task):
+    for problem in [tc_task.train_problem(i) for i in range(3)] + tc_task.eval_problems():
+        pattern = re.compile(tc_task.answer_pattern(problem))
+        choices = problem.metadata["choices"]
+        letters = list(problem.answer)
+        truth = "\n".join(f"{q}. {problem.answer[q]}" for q in letters)
+        assert pattern.fullmatch(truth) and grade(problem.answer, truth) == 1.0
+        # Every sheet the pattern admits answers each question with one of its listed choices.
+        combos = itertools.islice(itertools.product(*(choices[q] for q in letters)), 50)
+        for combo in combos:
+            sheet = "\n".join(f"{q}. {c}" for q, c in zip(letters, combo, strict=True))
+            assert pattern.fullmatch(sheet)
+            assert valid_fraction({q: choices[q] for q in letters}, sheet) == 1.0
+            right = sum(c == problem.answer[q] for q, c in zip(letters, combo, strict=True)) / len(letters)
+            assert grade(problem.answer, sheet) == pytest.approx(right)
+        wrong_kind = truth.replace(f"A. {problem.answer['A']}", "A. Nobody")
+        assert not pattern.fullmatch(wrong_kind)
+        assert not pattern.fullmatch(truth + "\nextra")
+    bare = Problem("x", [], {"A": "Mrs. White"}, {})
+    assert tc_task.answer_pattern(bare) is None  # no listed choices: no pattern
+
+
+def test_constrained_sets_the_regex_only_when_on(tc_task):
+    problem = tc_task.eval_problems()[0]
+    base = SamplingParams(temperature=0.7, max_tokens=64, seed=3)
+    assert constrained(base, tc_task, problem, enabled=False) is base
+    on = constrained(base, tc_task, problem, enabled=True)
+    assert on.regex == tc_task.answer_pattern(problem)
+    assert (on.temperature, on.max_tokens, on.seed) == (0.7, 64, 3)
+    with pytest.raises(ConfigError, match="gave no answer pattern for problem 'x'"):
+        constrained(base, tc_task, Problem("x", [], {"A": "Mrs. White"}, {}), enabled=True)
+
+
+def test_start_up_checks(tc_task, tmp_path):
+    on = load_config(None, ["rollout.structured_output=true"])
+    check_structured_output(on, tc_task, "vllm")
+    check_structured_output(load_config(None, []), tc_task, "hf")  # off: nothing to check
+    with pytest.raises(ConfigError, match=r"needs rollout\.engine=vllm"):
+        check_structured_output(on, tc_task, "hf")
+    from sleuth.tasks.math import MathTask
+
+    math_file = tmp_path / "m.jsonl"
+    math_file.write_text('{"problem": "1+1", "answer": 2}\n')
+    math_cfg = load_config(None, ["task.name=math", f"task.train_path={math_file}", f"task.eval_path={math_file}",
+                                  "rollout.structured_output=true"])
+    with pytest.raises(ConfigError, match="task 'math' has no answer pattern"):
+        check_structured_output(math_cfg, MathTask(math_cfg.task), "vllm")
+
+
+def test_dry_run_refuses_the_hf_engine(capsys):
+    assert main(["train", "--dry-run", "task.eval_size=2", "rollout.structured_output=true",
+                 "rollout.engine=hf"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "rollout.structured_output needs rollout.engine=vllm" in err[0]
+
+
+def test_requests_with_a_regex_are_checked():
+    plain = SamplingParams(max_tokens=4, regex="(yes|no)")
+    assert check_request(GenerationRequest([1, 2], 1, plain), 64, 100, structured_output=True) == 4
+    with pytest.raises(UserError, match="needs the vllm engine"):
+        check_request(GenerationRequest([1, 2], 1, plain, "r1"), 64, 100)
+    bad = SamplingParams(max_tokens=4, regex="(yes|no")
+    with pytest.raises(UserError, match="rollout request r2: regex is not a valid regular expression"):
+        check_request(GenerationRequest([1, 2], 1, bad, "r2"), 64, 100, structured_output=True)
+
+
+def test_user_task_answer_pattern(tmp_path):
+    from sleuth.tasks.registry import build_task
+
+    good = tmp_path / "yes_no.py"
+    good.write_text(YES_NO_TASK)
+    task = build_task(load_config(None, [f"task.name={good}:problems"]).task)
+    assert task.answer_pattern(task.train_problem(0)) == "(yes|no)( [ab]{1,3})?"
+    bad = tmp_path / "bad_pattern.py"
+    bad.write_text(YES_NO_TASK.replace('"(yes|no)( [ab]{1,3})?"', "3"))
+    with pytest.raises(DataError, match="'answer_pattern' must be a string"):
+        build_task(load_config(None, [f"task.name={bad}:problems"]).task)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_vllm_samples_only_matching_completions_in_training_and_evaluation(tiny_model_dir, tmp_path):
+    from sleuth.evaluate import eval_sampling, evaluate
+    from sleuth.loop import setup
+    from sleuth.progress import Progress
+    from sleuth.sampling import Sampler
+
+    task_file = tmp_path / "yes_no.py"
+    task_file.write_text(YES_NO_TASK)
+    cfg = load_config(None, [
+        f"model.path={tiny_model_dir}", "model.dtype=float32", "model.lora.rank=4", f"task.name={task_file}:problems",
+        "task.eval_size=2", "task.verifier_isolation=inline", "rollout.engine=vllm", "rollout.kv_cache_gb=0.25",
+        "rollout.structured_output=true", "rollout.samples_per_task=6", "rollout.max_tokens=16",
+        "rollout.temperature=1.0", "loop.tasks_per_iteration=3", "algorithm.drop_zero_advantage=false",
+        "eval.temperature=1.0", "logging.tensorboard=false",
+    ])
+    run = setup(cfg, tmp_path / "run", resume=False)
+    try:
+        sampler = Sampler(cfg, run.policy.tokenizer, run.engine, run.verifier, run.task_for_level,
+                          Progress(enabled=False))
+        batch = sampler.collect(iteration=1, position=0, level=1, version=0)
+        train_texts = [c.text for g in batch.groups for c in g.completions]
+        held_out = evaluate(run.engine, run.task, run.policy.tokenizer, run.eval_problems, 4, eval_sampling(cfg),
+                            run.verifier, structured=True)
+        free = evaluate(run.engine, run.task, run.policy.tokenizer, run.eval_problems, 4, eval_sampling(cfg),
+                        run.verifier)
+    finally:
+        run.engine.close()
+        run.verifier.close()
+        run.writer.close()
+    eval_texts = [r["text"] for r in held_out.records]
+    assert len(train_texts) == 18 and len(eval_texts) == 8
+    pattern = re.compile("(yes|no)( [ab]{1,3})?")
+    for text in train_texts + eval_texts:
+        assert pattern.fullmatch(text), text
+    # Both answers occur, so groups carry a reward signal; the verifier scores them as usual.
+    assert {t.split(" ")[0] for t in train_texts} == {"yes", "no"}
+    assert batch.metrics["rollout/reward_mean"] == pytest.approx(
+        sum(t.startswith("yes") for t in train_texts) / len(train_texts))
+    # Left free, the random-init byte-level model writes text outside the pattern.
+    assert not all(pattern.fullmatch(r["text"]) for r in free.records)
