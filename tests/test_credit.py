@@ -1,4 +1,4 @@
-"""Per-answer credit (train/credit.py): each answer's tokens take the advantage of that answer's
+"""Per-answer credit (credit.py): each answer's tokens take the advantage of that answer's
 own reward within its group; everything else keeps the completion's advantage."""
 
 from __future__ import annotations
@@ -7,18 +7,18 @@ import pytest
 
 from sleuth.cli import main
 from sleuth.config import load_config
-from sleuth.errors import ConfigError, UserError
-from sleuth.models import load_tokenizer
-from sleuth.records import AnswerPart, Completion, Group, Problem
-from sleuth.tasks.temporal_clue.task import TemporalClueTask
-from sleuth.train.advantages import compute_advantages, grpo, rloo
-from sleuth.train.credit import (
+from sleuth.credit import (
     assign_answer_credit,
     check_answer_credit,
     has_signal,
     token_char_ends,
     token_parts,
 )
+from sleuth.errors import ConfigError, UserError
+from sleuth.models import load_tokenizer
+from sleuth.records import AnswerPart, Completion, Group, Problem
+from sleuth.tasks.temporal_clue.task import TemporalClueTask
+from sleuth.train.advantages import compute_advantages, grpo, rloo
 from sleuth.train.packing import pack_groups
 
 SOLUTION = {"A": "Mrs. White", "B": "Knife", "C": "Library"}

@@ -275,7 +275,7 @@ class AlgorithmConfig(Section):
     """Which tokens an advantage reaches. sequence: every token of a completion takes the
     completion's advantage. answer: each graded answer's tokens (Task.answer_parts; Temporal Clue:
     each `A. ...` line) take the advantage of that answer's own reward within its group, computed
-    by algorithm.advantage per question; other tokens keep the completion's (train/credit.py)."""
+    by algorithm.advantage per question; other tokens keep the completion's (credit.py)."""
     format_reward: float = Field(0.0, ge=0)
     """Weight of the task's format score (Task.format_score, in [0, 1]; Temporal Clue: the fraction
     of questions answered with one of their listed choices) added to the training reward; 0: off.

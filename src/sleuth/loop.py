@@ -26,6 +26,7 @@ from sleuth import fsio
 from sleuth.budget import FINAL_EVAL_MARGIN, TimeBudget
 from sleuth.checkpoint import CheckpointManager
 from sleuth.config import Config, dump_config
+from sleuth.credit import check_answer_credit
 from sleuth.curriculum import Curriculum, parse_schedule
 from sleuth.errors import ConfigError, UserError
 from sleuth.evaluate import EvalResult, eval_sampling, evaluate, evaluate_episodes
@@ -43,7 +44,6 @@ from sleuth.structured import check_structured_output
 from sleuth.sync import WeightSync
 from sleuth.tasks.base import Task
 from sleuth.tasks.episodes import EpisodeRunner, find_rollout
-from sleuth.train.credit import check_answer_credit
 from sleuth.train.policy import Policy
 from sleuth.train.step import Trainer
 

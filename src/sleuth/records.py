@@ -61,7 +61,7 @@ class Sample:
 
 @dataclass(frozen=True)
 class AnswerPart:
-    """One graded answer inside a completion's text (per-answer credit, train/credit.py)."""
+    """One graded answer inside a completion's text (per-answer credit, credit.py)."""
 
     key: str
     """Which answer it is (a question's letter): parts with the same key are compared across a group."""

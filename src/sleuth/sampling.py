@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sleuth.config import Config
+from sleuth.credit import assign_answer_credit, has_signal
 from sleuth.errors import ConfigError
 from sleuth.metrics import prefixed
 from sleuth.models import encode_chat
@@ -40,7 +41,6 @@ from sleuth.seeds import derive_seed
 from sleuth.structured import constrained
 from sleuth.tasks.base import Task
 from sleuth.train.advantages import ZERO_TOL, compute_advantages
-from sleuth.train.credit import assign_answer_credit, has_signal
 
 
 def request_seed(seed: int, iteration: int, index: int) -> int:

@@ -85,8 +85,8 @@ def dry_run(cfg: Any) -> list[str]:
     if cfg.model.lora.enabled and converted(cfg.model.path):  # its modules, from config.json alone
         check_lora_targets(model_skeleton(resolve_model_path(cfg.model.path)), cfg.model.lora.target_modules)
     task = build_task(cfg.task)
+    from sleuth.credit import check_answer_credit
     from sleuth.sampling import check_format_reward
-    from sleuth.train.credit import check_answer_credit
 
     check_format_reward(cfg, task)
     check_answer_credit(cfg, task)

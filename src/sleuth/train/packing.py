@@ -390,7 +390,7 @@ def _build_row(groups: list[Group], parts: list[tuple[int, list[_Node]]], seq_of
             token_seq.extend([seq] * len(picked))
             if comp.token_advantages is None:
                 adv.extend([float(group.advantages[c])] * len(picked))
-            else:  # per-answer credit (train/credit.py)
+            else:  # per-answer credit (credit.py)
                 adv.extend(float(comp.token_advantages[k]) for k in picked)
             placements.append(Placement(seq, g, c, tuple(positions), plen, len(path), len(picked)))
     pad = (-len(b.ids)) % pad_to_multiple

@@ -221,7 +221,7 @@ def _fraction_answered(accepted: Iterable[tuple[str, Sequence[str]]], completion
 
 def answer_parts(solution: Mapping[str, str], completion: str) -> list[AnswerPart]:
     """Each answer the grader reads from a line of its own (`C. Library`), with that line's span and
-    its own reward (1.0 right, 0.0 wrong): per-answer credit (train/credit.py). An answer the grader
+    its own reward (1.0 right, 0.0 wrong): per-answer credit (credit.py). An answer the grader
     reads from a line holding several markers, or not from its last line of its own, has no part
     (its tokens keep the completion's advantage). Never raises."""
     if not isinstance(completion, str) or not solution:
