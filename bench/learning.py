@@ -33,6 +33,7 @@ from sleuth.hardware import cpu_description
 from sleuth.metrics import upgrade_row
 from sleuth.scoring import mean_se
 
+RAW = ["algorithm.constrained_logprobs=false"]
 ARMS: dict[str, list[str]] = {
     "default": [],
     "dynamic": ["algorithm.dynamic_sampling=true"],
@@ -41,8 +42,14 @@ ARMS: dict[str, list[str]] = {
     "curriculum": ["task.difficulty=1 -> 2 at 0.6"],
     "format": ["algorithm.format_reward=0.5"],
     "bf16": ["model.dtype=bfloat16"],
-    "structured": ["rollout.structured_output=true"],
-    "credit": ["rollout.structured_output=true", "algorithm.credit=answer"],
+    # Structured output with the trainer scoring the raw model (as first measured) ...
+    "structured": [*RAW, "rollout.structured_output=true"],
+    "credit": [*RAW, "rollout.structured_output=true", "algorithm.credit=answer"],
+    "credit_lr": [*RAW, "rollout.structured_output=true", "algorithm.credit=answer", "trainer.lr=1e-3"],
+    "answers": [*RAW, "rollout.structured_output=true", "algorithm.credit=answer", "algorithm.loss_on=answers"],
+    # ... and scoring the constrained policy that sampled (algorithm.constrained_logprobs, the default).
+    "constrained": ["rollout.structured_output=true", "algorithm.credit=answer"],
+    "constrained_lr": ["rollout.structured_output=true", "algorithm.credit=answer", "trainer.lr=1e-3"],
     "combined": ["algorithm.dynamic_sampling=true", "algorithm.mask_truncated=true",
                  "algorithm.overlong_buffer=16", "loop.max_staleness=1"],
 }

@@ -1,5 +1,6 @@
 """Per-answer credit (credit.py): each answer's tokens take the advantage of that answer's
-own reward within its group; everything else keeps the completion's advantage."""
+own reward within its group; everything else keeps the completion's advantage. And
+algorithm.loss_on=answers: only the answers' value tokens carry loss."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from sleuth.cli import main
 from sleuth.config import load_config
 from sleuth.credit import (
     assign_answer_credit,
-    check_answer_credit,
+    check_credit,
     has_signal,
+    mask_to_answers,
     token_char_ends,
     token_parts,
 )
@@ -130,7 +132,7 @@ def test_bad_token_advantages_are_refused(tokenizer):
 
 
 def test_credit_needs_a_task_with_answer_parts(tmp_path, task, capsys):
-    check_answer_credit(load_config(None, ["algorithm.credit=answer"]), task)
+    check_credit(load_config(None, ["algorithm.credit=answer"]), task)
     math_file = tmp_path / "m.jsonl"
     math_file.write_text('{"problem": "1+1", "answer": 2}\n')
     cfg = load_config(None, ["task.name=math", f"task.train_path={math_file}", f"task.eval_path={math_file}",
@@ -138,7 +140,48 @@ def test_credit_needs_a_task_with_answer_parts(tmp_path, task, capsys):
     from sleuth.tasks.math import MathTask
 
     with pytest.raises(ConfigError, match="task 'math' grades a completion as a whole"):
-        check_answer_credit(cfg, MathTask(cfg.task))
+        check_credit(cfg, MathTask(cfg.task))
     assert main(["train", "--dry-run", "task.eval_size=2", "algorithm.credit=answers"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "algorithm.credit" in err[0]
+
+
+def masked_text(tokenizer, c: Completion) -> str:
+    ends = token_char_ends(tokenizer, c.completion_ids)
+    return "".join(c.text[b:e] for b, e, m in zip([0, *ends[:-1]], ends, c.loss_mask, strict=True) if m)
+
+
+def test_loss_on_answers_keeps_only_the_values(tokenizer, task):
+    group = group_of(tokenizer, [*SHEETS, "I do not know."])
+    metrics = mask_to_answers([group], task, tokenizer)
+    # The tokenizer joins the space after each label to the value's first token (" Mrs"): kept.
+    assert masked_text(tokenizer, group.completions[0]) == " Mrs. White Knife Ballroom"
+    assert masked_text(tokenizer, group.completions[1]) == " Miss Scarlet Knife Library"
+    assert masked_text(tokenizer, group.completions[3]) == " Mrs. White Rope"  # the preamble carries no loss
+    assert group.completions[0].loss_mask[-1] == 0  # nor does EOS
+    assert group.completions[4].loss_mask is None  # no answer found: every token keeps its loss
+    kept = sum(sum(c.loss_mask or [1] * len(c.completion_ids)) for c in group.completions)
+    total = sum(len(c.completion_ids) for c in group.completions)
+    assert metrics["train/loss_token_frac"] == pytest.approx(kept / total) and 0.3 < kept / total < 0.8
+    for c in group.completions:
+        c.reward = task.score(group.problem, c.text)
+    (group,), _ = compute_advantages([group], "grpo", drop_zero=False)
+    batch = pack_groups([group], 1024)  # packing trains on exactly the masked tokens
+    assert sum(len(r.target_ids) for r in batch.rows) == kept
+
+
+def test_loss_on_answers_needs_structured_output_and_answer_parts(tmp_path, task, capsys):
+    check_credit(load_config(None, ["algorithm.loss_on=answers", "rollout.structured_output=true"]), task)
+    with pytest.raises(ConfigError, match=r"needs rollout\.structured_output=true"):
+        check_credit(load_config(None, ["algorithm.loss_on=answers"]), task)
+    math_file = tmp_path / "m.jsonl"
+    math_file.write_text('{"problem": "1+1", "answer": 2}\n')
+    cfg = load_config(None, ["task.name=math", f"task.train_path={math_file}", f"task.eval_path={math_file}",
+                             "algorithm.loss_on=answers", "rollout.structured_output=true"])
+    from sleuth.tasks.math import MathTask
+
+    with pytest.raises(ConfigError, match=r"algorithm\.loss_on=answers: task 'math' does not locate"):
+        check_credit(cfg, MathTask(cfg.task))
+    assert main(["train", "--dry-run", "task.eval_size=2", "algorithm.loss_on=answers"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "rollout.structured_output" in err[0]

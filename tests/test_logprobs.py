@@ -3,13 +3,29 @@ import torch
 
 from sleuth.errors import UserError
 from sleuth.train import logprobs
-from sleuth.train.logprobs import token_logprobs
+from sleuth.train.logprobs import token_logprobs, unpack_bitmask
 
 
 def reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Autograd through a full float32 log-softmax: what the chunked function must equal."""
     full = torch.log_softmax(hidden.float() @ weight.float().T, -1)
     return full.gather(-1, targets[:, None])[:, 0], -(full.exp() * full).sum(-1)
+
+
+def assert_same_gradients(logp: torch.Tensor, want_logp: torch.Tensor, upstream: torch.Tensor,
+                          hidden: torch.Tensor, head: torch.nn.Module) -> list[torch.Tensor]:
+    """Backward through both with the same incoming gradient; the hidden (and trained head)
+    gradients must match. Returns the first one's."""
+    trained = head.weight.requires_grad
+    (logp * upstream).sum().backward()
+    got = [hidden.grad.clone()] + ([head.weight.grad.clone()] if trained else [])
+    hidden.grad = None
+    head.weight.grad = None
+    (want_logp * upstream).sum().backward()
+    want = [hidden.grad] + ([head.weight.grad] if trained else [])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    return got
 
 
 @pytest.mark.parametrize("frozen_head,budget", [(True, None), (False, 1 << 30), (False, 0), (False, 1000)],
@@ -28,15 +44,61 @@ def test_chunked_logprobs_and_gradients_match_full_log_softmax(frozen_head: bool
     torch.testing.assert_close(logp, want_logp)
     torch.testing.assert_close(entropy, want_entropy)
     assert not entropy.requires_grad
-    (logp * upstream).sum().backward()
-    got = [hidden.grad.clone()] + ([] if frozen_head else [head.weight.grad.clone()])
-    hidden.grad = None
-    head.weight.grad = None
-    (want_logp * upstream).sum().backward()
-    want = [hidden.grad] + ([] if frozen_head else [head.weight.grad])
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert_same_gradients(logp, want_logp, upstream, hidden, head)
     assert frozen_head == (head.weight.grad is None)
+
+
+def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
+    """[N, V] bool -> [N, ceil(V/32)] int32 in xgrammar's layout (bit j of word w: token 32w + j)."""
+    n, v = allowed.shape
+    padded = torch.nn.functional.pad(allowed, (0, -v % 32)).reshape(n, -1, 32).long()
+    words = (padded << torch.arange(32)).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+@pytest.mark.parametrize("frozen_head,budget", [(True, None), (False, 1 << 30), (False, 0)],
+                         ids=["basis", "keep", "recompute"])
+def test_constrained_logprobs_are_the_renormalized_distribution(frozen_head: bool, budget: int | None,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a token bitmask: logprobs, entropies and gradients of the softmax over the allowed
+    tokens only; a forced token has logprob 0 and no gradient."""
+    if budget is not None:
+        monkeypatch.setattr(logprobs, "KEEP_BUDGET_BYTES", budget)
+    torch.manual_seed(2)
+    n, v = 9, 70  # 70 tokens: the last word of the bitmask is partly used
+    head = torch.nn.Linear(16, v, bias=False).requires_grad_(not frozen_head)
+    hidden = torch.randn(n, 16, requires_grad=True)
+    targets = torch.randint(0, v, (n,))
+    allowed = torch.rand(n, v) < 0.3
+    allowed[:, 31] = allowed[:, 63] = True  # the sign bit of a word
+    allowed[torch.arange(n), targets] = True
+    allowed[4] = False
+    allowed[4, targets[4]] = True  # forced
+    bitmask = pack_bits(allowed)
+    assert torch.equal(unpack_bitmask(bitmask, v, targets), allowed)
+    upstream = torch.randn(n)
+    logp, entropy = token_logprobs(hidden, head, targets, chunk=4, token_bitmask=bitmask)
+    full = torch.log_softmax((hidden @ head.weight.T).masked_fill(~allowed, float("-inf")), -1)
+    want_logp = full.gather(-1, targets[:, None])[:, 0]
+    torch.testing.assert_close(logp, want_logp)
+    torch.testing.assert_close(entropy, -(full.exp() * full.nan_to_num(neginf=0.0)).sum(-1))
+    assert logp[4].item() == 0.0 and entropy[4].item() == 0.0
+    got = assert_same_gradients(logp, want_logp, upstream, hidden, head)
+    assert got[0][4].abs().max().item() == 0.0  # the forced token moves nothing
+    # The unconstrained logprobs differ: the mask is what makes them equal the engine's.
+    raw, _ = token_logprobs(hidden.detach(), head, targets)
+    assert (raw - logp.detach()).max().item() < -0.1
+
+
+def test_bitmask_narrower_than_the_vocabulary_disallows_the_rest() -> None:
+    """A tokenizer smaller than the model's embedding: ids past the bitmask are never allowed,
+    and a sampled target always is."""
+    targets = torch.tensor([3, 40])
+    bitmask = torch.tensor([[1 << 3], [1 << 5]], dtype=torch.int32)  # one word: tokens 0-31
+    allowed = unpack_bitmask(bitmask, 48, targets)
+    assert allowed.shape == (2, 48)
+    assert allowed[0].nonzero().flatten().tolist() == [3]
+    assert allowed[1].nonzero().flatten().tolist() == [5, 40]
 
 
 def test_bf16_head_keeps_float32_logits() -> None:

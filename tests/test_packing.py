@@ -36,6 +36,21 @@ def test_row_layout_positions_and_targets() -> None:
     assert batch.n_tokens == 8 and batch.n_completion_tokens == 5
 
 
+def test_token_bitmasks_follow_the_targets() -> None:
+    """Completion.token_bitmask rows reach the row in target order (loss-masked tokens left out);
+    a completion without one allows every token; rows without any carry none."""
+    g = make_group([1, 2, 3], [2, 3])
+    assert pack_groups([g], row_tokens=100).rows[0].token_bitmask is None
+    g.completions[1].token_bitmask = torch.arange(6, dtype=torch.int32).reshape(3, 2)
+    g.completions[1].loss_mask = [1, 0, 1]
+    (row,) = pack_groups([g], row_tokens=100).rows
+    assert row.target_ids.tolist() == [100, 101, 110, 112]
+    assert row.token_bitmask.tolist() == [[-1, -1], [-1, -1], [0, 1], [4, 5]]
+    g.completions[1].token_bitmask = torch.zeros(2, 2, dtype=torch.int32)
+    with pytest.raises(UserError, match="completion 1 has a token_bitmask that is not an int32 tensor of 3 rows"):
+        pack_groups([g], row_tokens=100)
+
+
 def test_groups_share_rows_and_large_groups_split() -> None:
     small = [make_group([1], [1], f"s{i}") for i in range(3)]  # 2 tokens each
     big = make_group([7, 7, 7, 7], [5, 5, 5, 5], "big")  # 24 tokens: split, prompt repeated

@@ -6,15 +6,24 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import re
+from dataclasses import replace
 
 import pytest
+import torch
 
 from sleuth.cli import main
 from sleuth.config import load_config
 from sleuth.errors import ConfigError, DataError, UserError
 from sleuth.records import Problem, SamplingParams
 from sleuth.rollout.base import GenerationRequest, check_request
-from sleuth.structured import check_structured_output, constrained, one_of, regex_literal
+from sleuth.structured import (
+    TokenMasks,
+    attach_token_masks,
+    check_structured_output,
+    constrained,
+    one_of,
+    regex_literal,
+)
 from sleuth.tasks.temporal_clue.grade import grade, valid_fraction
 from sleuth.tasks.temporal_clue.task import TemporalClueTask
 
@@ -72,6 +81,58 @@ def test_temporal_clue_pattern_is_the_answer_sheet(tc_task):
         assert not pattern.fullmatch(truth + "\nextra")
     bare = Problem("x", [], {"A": "Mrs. White"}, {})
     assert tc_task.answer_pattern(bare) is None  # no listed choices: no pattern
+
+
+def allowed_at(bitmask, k: int) -> list[int]:
+    words = bitmask[k].tolist()
+    return [32 * w + j for w, word in enumerate(words) for j in range(32) if (word >> j) & 1]
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    from sleuth.models import load_tokenizer, resolve_model_path
+
+    return load_tokenizer(str(resolve_model_path(load_config(None, []).model.path)))
+
+
+def test_token_masks_replay_the_grammar(tc_task, smol_tokenizer):
+    """Each step of a sheet the pattern admits: the sampled token is allowed; a label is the only
+    allowed token; the first token of an answer may start any listed choice and nothing else."""
+    tok = smol_tokenizer
+    problem = tc_task.eval_problems()[0]
+    choices = problem.metadata["choices"]
+    sheet = "\n".join(f"{q}. {choices[q][-1]}" for q in problem.answer)
+    ids = [*tok.encode(sheet, add_special_tokens=False), tok.eos_token_id]
+    masks = TokenMasks(tok)
+    bitmask, refused = masks.bitmask(tc_task.answer_pattern(problem), ids)
+    assert refused == 0 and bitmask.shape == (len(ids), -(-masks.info.vocab_size // 32))
+    assert bitmask.dtype == torch.int32
+    for k, t in enumerate(ids):
+        assert t in allowed_at(bitmask, k)
+    assert allowed_at(bitmask, 0) == tok.encode("A", add_special_tokens=False)  # the first label: forced
+    assert allowed_at(bitmask, len(ids) - 1) == [tok.eos_token_id]  # the sheet complete: only the end
+    first = allowed_at(bitmask, 2)  # after "A", "."
+    texts = [tok.decode([t]) for t in first]
+    for choice in choices["A"]:  # each listed choice can start here ...
+        assert any((" " + choice).startswith(x) for x in texts), choice
+    for x in texts:  # ... and only a listed choice
+        assert any((" " + c).startswith(x) for c in choices["A"]), x
+    # A token the grammar refuses ends the replay: from there on every token is allowed.
+    bad = [*ids[:2], *tok.encode(" Nobody", add_special_tokens=False)]
+    bitmask, refused = masks.bitmask(tc_task.answer_pattern(problem), bad)
+    assert refused == 1 and (bitmask[2:] == -1).all() and len(allowed_at(bitmask, 1)) == 1
+
+
+def test_attach_token_masks_skips_unconstrained_groups(tc_task, smol_tokenizer):
+    from sleuth.records import Completion, Group
+
+    tok = smol_tokenizer
+    problem = tc_task.eval_problems()[0]
+    ids = tok.encode("A.", add_special_tokens=False)
+    groups = [Group(problem, [1], [Completion([1], list(ids), [0.0] * len(ids), "length", "A.")]) for _ in range(2)]
+    assert attach_token_masks(TokenMasks(tok), groups, [tc_task.answer_pattern(problem), None]) == 0
+    assert groups[0].completions[0].token_bitmask.shape[0] == len(ids)
+    assert groups[1].completions[0].token_bitmask is None
 
 
 def test_constrained_sets_the_regex_only_when_on(tc_task):
@@ -139,6 +200,7 @@ def test_vllm_samples_only_matching_completions_in_training_and_evaluation(tiny_
     from sleuth.loop import setup
     from sleuth.progress import Progress
     from sleuth.sampling import Sampler
+    from sleuth.train.packing import pack_groups
 
     task_file = tmp_path / "yes_no.py"
     task_file.write_text(YES_NO_TASK)
@@ -155,6 +217,16 @@ def test_vllm_samples_only_matching_completions_in_training_and_evaluation(tiny_
                           Progress(enabled=False))
         batch = sampler.collect(iteration=1, position=0, level=1, version=0)
         train_texts = [c.text for g in batch.groups for c in g.completions]
+        # The trainer scores the constrained policy: its logprobs are the engine's (float32 both);
+        # the raw model's are far lower (the random-init model puts little mass on the pattern).
+        rows = pack_groups(batch.groups, 4096).rows
+        with torch.no_grad():
+            constrained_lp = torch.cat([run.policy.row_logprobs(r)[0] for r in rows])
+            raw_lp = torch.cat([run.policy.row_logprobs(replace(r, token_bitmask=None))[0] for r in rows])
+        engine_lp = torch.cat([r.engine_logprobs for r in rows])
+        # A trainer step on the constrained batch: its packed self-check runs first and passes,
+        # and the truncated IS weights are ~1 (the trainer's logprobs are the engine's).
+        step = run.trainer.step(batch.groups)
         held_out = evaluate(run.engine, run.task, run.policy.tokenizer, run.eval_problems, 4, eval_sampling(cfg),
                             run.verifier, structured=True)
         free = evaluate(run.engine, run.task, run.policy.tokenizer, run.eval_problems, 4, eval_sampling(cfg),
@@ -172,5 +244,9 @@ def test_vllm_samples_only_matching_completions_in_training_and_evaluation(tiny_
     assert {t.split(" ")[0] for t in train_texts} == {"yes", "no"}
     assert batch.metrics["rollout/reward_mean"] == pytest.approx(
         sum(t.startswith("yes") for t in train_texts) / len(train_texts))
+    assert batch.metrics["rollout/constraint_refused"] == 0
+    assert step["self_check_max_diff"] < 1e-3 and abs(step["tis_weight_mean"] - 1.0) < 1e-3
+    assert (constrained_lp - engine_lp).abs().max().item() < 1e-3
+    assert (raw_lp - engine_lp).mean().item() < -0.5
     # Left free, the random-init byte-level model writes text outside the pattern.
     assert not all(pattern.fullmatch(r["text"]) for r in free.records)

@@ -276,6 +276,15 @@ class AlgorithmConfig(Section):
     completion's advantage. answer: each graded answer's tokens (Task.answer_parts; Temporal Clue:
     each `A. ...` line) take the advantage of that answer's own reward within its group, computed
     by algorithm.advantage per question; other tokens keep the completion's (credit.py)."""
+    constrained_logprobs: bool = True
+    """With rollout.structured_output: the trainer scores the constrained policy the engine sampled
+    from (each step's distribution renormalized over the tokens the grammar allowed), so forced
+    tokens carry no gradient and its logprobs match the engine's; false scores the raw model
+    (structured.py). No effect without structured output."""
+    loss_on: Literal["all", "answers"] = "all"
+    """Which completion tokens carry loss. all: every sampled token. answers: only the tokens of
+    each graded answer's value (Task.answer_parts; Temporal Clue: `Library` in `C. Library`); needs
+    rollout.structured_output, which forces the rest (credit.py)."""
     format_reward: float = Field(0.0, ge=0)
     """Weight of the task's format score (Task.format_score, in [0, 1]; Temporal Clue: the fraction
     of questions answered with one of their listed choices) added to the training reward; 0: off.

@@ -11,6 +11,9 @@ advantage_q(i). Tokens outside every answer (a preamble, newlines, the EOS token
 completion's own advantage, so reward shaping (over-length penalty, format reward) still reaches
 them. With structured output (sleuth.structured) every token but the answers' is forced anyway.
 
+With algorithm.loss_on=answers (structured output only) the tokens outside the answers' values,
+forced by the constraint, carry no loss at all (mask_to_answers).
+
 Token spans come from the text: the end of each token's decoded prefix locates it; a token that
 overlaps two answers, or an answer and the text between, keeps the completion's advantage.
 """
@@ -26,11 +29,20 @@ from sleuth.tasks.base import Task
 from sleuth.train.advantages import get_advantage
 
 
-def check_answer_credit(cfg: Config, task: Task) -> None:
-    """algorithm.credit=answer needs a task that grades answers one by one: a one-line error at start-up."""
+def check_credit(cfg: Config, task: Task) -> None:
+    """algorithm.credit=answer needs a task that grades answers one by one; algorithm.loss_on=answers
+    also needs the constraint that forces the other tokens: a one-line error at start-up."""
     if cfg.algorithm.credit == "answer" and type(task).answer_parts is Task.answer_parts:
         raise ConfigError(f"algorithm.credit=answer: task {cfg.task.name!r} grades a completion as a whole "
                           "(no Task.answer_parts); set algorithm.credit=sequence")
+    if cfg.algorithm.loss_on != "answers":
+        return
+    if type(task).answer_parts is Task.answer_parts:
+        raise ConfigError(f"algorithm.loss_on=answers: task {cfg.task.name!r} does not locate its answers "
+                          "(no Task.answer_parts); set algorithm.loss_on=all")
+    if not cfg.rollout.structured_output:
+        raise ConfigError("algorithm.loss_on=answers needs rollout.structured_output=true: without the "
+                          "constraint every token is the model's own choice and must carry loss")
 
 
 def token_char_ends(tokenizer: Any, ids: list[int]) -> list[int]:
@@ -74,6 +86,35 @@ def assign_answer_credit(groups: list[Group], task: Task, estimator: str, tokeni
             credited += sum(j >= 0 for j in owner)
             total += len(owner)
     return {"train/answer_credit_frac": credited / total if total else 0.0}
+
+
+def mask_to_answers(groups: list[Group], task: Task, tokenizer: Any) -> dict[str, float]:
+    """Set each completion's loss_mask to the tokens of its answers' values (algorithm.loss_on=answers).
+
+    Under structured output the labels (`C. `), newlines and EOS are forced by the constraint: the
+    sampler had no choice there, so their gradient (taken over the whole vocabulary) is noise, and
+    under token-mean aggregation they dilute the answers' share of the loss. A token counts if any
+    of its characters lie in an answer's value (a leading-space token like ` Library` does). A
+    completion with no answer found (cut short) keeps every token. Returns the share kept."""
+    kept = total = 0
+    for group in groups:
+        if group.episode_index is not None:  # episodes carry their own loss masks
+            continue
+        for c in group.completions:
+            spans = [(p.start if p.value_start is None else p.value_start, p.end)
+                     for p in task.answer_parts(group.problem, c.text) or []]
+            if not spans:
+                kept += len(c.completion_ids)
+                total += len(c.completion_ids)
+                continue
+            mask, begin = [], 0
+            for end in token_char_ends(tokenizer, c.completion_ids):
+                mask.append(int(end > begin and any(begin < e and end > s for s, e in spans)))
+                begin = end
+            c.loss_mask = mask if any(mask) else None
+            kept += sum(mask) if any(mask) else len(mask)
+            total += len(mask)
+    return {"train/loss_token_frac": kept / total if total else 0.0}
 
 
 def has_signal(group: Group, tol: float) -> bool:

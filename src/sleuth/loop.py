@@ -26,7 +26,7 @@ from sleuth import fsio
 from sleuth.budget import FINAL_EVAL_MARGIN, TimeBudget
 from sleuth.checkpoint import CheckpointManager
 from sleuth.config import Config, dump_config
-from sleuth.credit import check_answer_credit
+from sleuth.credit import check_credit
 from sleuth.curriculum import Curriculum, parse_schedule
 from sleuth.errors import ConfigError, UserError
 from sleuth.evaluate import EvalResult, eval_sampling, evaluate, evaluate_episodes
@@ -168,7 +168,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     seed_everything(cfg.loop.seed, 0, cfg.loop.deterministic)
     task = build_task(cfg.task)
     check_format_reward(cfg, task)
-    check_answer_credit(cfg, task)
+    check_credit(cfg, task)
     check_structured_output(cfg, task, engine_kind(cfg.rollout))
     eval_problems = list(task.eval_problems())[: cfg.task.eval_size] if cfg.loop.evaluate else []
     if cfg.model.quantization != "none" and cfg.rollout.native_lora:

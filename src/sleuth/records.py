@@ -70,6 +70,9 @@ class AnswerPart:
     """Its characters in the completion text: text[start:end]."""
     reward: float
     """This answer's own reward (1.0 right, 0.0 wrong)."""
+    value_start: int | None = None
+    """Where the answer itself begins, after its label (`C. `); None: at start. The tokens of
+    text[value_start:end] are the ones algorithm.loss_on=answers trains on."""
 
 
 @dataclass
@@ -87,11 +90,17 @@ class Completion:
     loss_mask: list[int] | None = None
     """Multi-turn episodes: same length as completion_ids; 1 for tokens the model sampled, 0 for
     tokens the environment or chat template inserted (tool results, user turns, template tokens
-    between turns), which carry no loss and no gradient. `logprobs` holds the engine logprob of
+    between turns), which carry no loss and no gradient. With algorithm.loss_on=answers, 0 also
+    marks tokens the structured-output constraint forced (credit.mask_to_answers). `logprobs` holds the engine logprob of
     sampled tokens and 0.0 for masked ones. None means every completion token was sampled.
     `prompt_ids` may differ between completions of one group (a call that does not extend the
     episode's previous call starts a new sequence with its own prompt); packing shares the longest
     common token prefixes of the full sequences (prompt_ids + completion_ids)."""
+    token_bitmask: Any = None
+    """Constrained decoding (rollout.structured_output with algorithm.constrained_logprobs): a
+    [len(completion_ids), W] int32 torch tensor, bit j of word w set where token 32w + j was
+    allowed at that step (xgrammar's layout); the trainer's logprobs are then the constrained
+    policy's (train/logprobs.py). None: unconstrained."""
     token_advantages: list[float] | None = None
     """Per-answer credit (algorithm.credit=answer): the advantage of each completion token (same
     length as completion_ids), each answer's tokens taking that answer's own; None: every token

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sleuth.config import Config
-from sleuth.credit import assign_answer_credit, has_signal
+from sleuth.credit import assign_answer_credit, has_signal, mask_to_answers
 from sleuth.errors import ConfigError
 from sleuth.metrics import prefixed
 from sleuth.models import encode_chat
@@ -38,7 +38,7 @@ from sleuth.records import Group, Problem, SamplingParams
 from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngine, to_groups
 from sleuth.scoring import VerifierRunner, mean_se, score_groups
 from sleuth.seeds import derive_seed
-from sleuth.structured import constrained
+from sleuth.structured import TokenMasks, attach_token_masks, constrained
 from sleuth.tasks.base import Task
 from sleuth.train.advantages import ZERO_TOL, compute_advantages
 
@@ -106,6 +106,8 @@ class Sampler:
         r = cfg.rollout
         self.sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
                                        stop=tuple(r.stop))
+        self.masks = TokenMasks(tokenizer) if r.structured_output and cfg.algorithm.constrained_logprobs else None
+        """Structured output: replays each completion through its grammar for the trainer (structured.py)."""
 
     def collect(self, iteration: int, position: int, level: int, version: int) -> Batch:
         """Draw, generate and score rounds until the batch is full (one round without dynamic sampling)."""
@@ -114,7 +116,7 @@ class Sampler:
         batch = Batch(iteration, start=position, end=position, version=version)
         task = self.task_for_level(level)
         all_groups: list[Group] = []
-        times = {"rollout": 0.0, "score": 0.0, "errors": 0.0, "timeouts": 0.0}
+        times = {"rollout": 0.0, "score": 0.0, "errors": 0.0, "timeouts": 0.0, "refused": 0.0}
         outcomes: list[Any] = []  # episode tasks: every episode's outcome, for episode_metrics
         n_rounds, drops = 0, 0
         for _ in range(rounds):
@@ -170,6 +172,8 @@ class Sampler:
         times["rollout"] += time.perf_counter() - t
         t = time.perf_counter()
         groups = to_groups(problems, prompts, results)
+        if self.masks is not None:
+            times["refused"] += attach_token_masks(self.masks, groups, [r.sampling.regex for r in requests])
         stats = score_groups(self.verifier, groups)
         if warning := stats.all_failed_warning(f"iteration {iteration}"):
             print(f"sleuth: warning: {warning}", file=sys.stderr)
@@ -210,6 +214,8 @@ class Sampler:
         with_adv, _ = compute_advantages(groups, algo.advantage, drop_zero=False)
         if algo.credit == "answer":
             metrics.update(assign_answer_credit(with_adv, task, algo.advantage, self.tokenizer))
+        if algo.loss_on == "answers":
+            metrics.update(mask_to_answers(with_adv, task, self.tokenizer))
         for g, rewards in zip(groups, verifier_rewards, strict=True):  # keep the verifier's reward visible
             for c, r in zip(g.completions, rewards, strict=True):
                 c.reward_info["verifier_reward"] = r
@@ -237,6 +243,8 @@ class Sampler:
             format_reward=sum(c.reward_info.get("format_reward", 0.0) for c in completions) / n,
         )))
         metrics.update({"time/rollout_s": times["rollout"], "time/score_s": times["score"]})
+        if self.masks is not None:
+            metrics["rollout/constraint_refused"] = times["refused"]
         return mean
 
 

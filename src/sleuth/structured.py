@@ -6,16 +6,25 @@ completion once the pattern is complete (vLLM's structured outputs; TRL ships th
 its guided-decoding regex). A small model then spends its samples on *which* answer to give, not
 on learning the answer's format (docs/benchmarks.md, "learning").
 
-The trainer still scores the raw model (engine logprobs are raw, rollout/base.py): the constraint
-changes the behaviour distribution only by renormalizing over the allowed tokens, which the group
-baseline and the truncated IS weight absorb, as in the published guided-decoding RL recipes.
+The policy that acted is the constrained one: at each step the model's distribution renormalized
+over the tokens the grammar allowed, and vLLM's logprobs are that distribution's (its bitmask is
+applied to the logits before they are computed). With algorithm.constrained_logprobs (the default)
+TokenMasks replays each completion through the same grammar (xgrammar, vLLM's default backend) and
+the trainer scores the same constrained distribution (Completion.token_bitmask, train/logprobs.py):
+its logprobs match the engine's, a forced token (a label, a newline, the rest of a choice once its
+first token fixes it) carries no gradient, and a negative advantage moves probability to the other
+allowed choices rather than to text the grammar would never let through. Scoring the raw model
+instead (false) weights every token by the mass the grammar allowed (the truncated IS weight is
+then that mass: train/tis_weight_mean about 0.6 on SmolLM2) and pushes mass off forced tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from sleuth.errors import ConfigError
 from sleuth.records import Problem, SamplingParams
@@ -66,3 +75,44 @@ def constrained(sampling: SamplingParams, task: Task, problem: Problem, enabled:
         raise ConfigError(f"rollout.structured_output: task {task.name!r} gave no answer pattern for "
                           f"problem {problem.id!r}")
     return replace(sampling, regex=pattern)
+
+
+class TokenMasks:
+    """The tokens a completion's grammar allowed at each of its steps, as the engine saw them.
+
+        masks = TokenMasks(tokenizer)
+        bitmask, refused = masks.bitmask(regex, completion_ids)   # [n, ceil(vocab/32)] int32
+
+    Regexes compile once each (xgrammar's cache). A sampled token the grammar refuses (another
+    backend, another tokenizer revision) ends the replay: that step and the ones after allow every
+    token, as if unconstrained, and `refused` is 1 (rollout/constraint_refused)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer)
+        self._compiler = xgr.GrammarCompiler(self.info, cache_enabled=True)
+
+    def bitmask(self, regex: str, ids: list[int]) -> tuple[torch.Tensor, int]:
+        matcher = self._xgr.GrammarMatcher(self._compiler.compile_regex(regex))
+        out = self._xgr.allocate_token_bitmask(len(ids), self.info.vocab_size)
+        for k, token in enumerate(ids):
+            matcher.fill_next_token_bitmask(out, k)
+            if not matcher.accept_token(token):
+                out[k:] = -1
+                return out, 1
+        return out, 0
+
+
+def attach_token_masks(masks: TokenMasks, groups: Iterable[Any], regexes: Iterable[str | None]) -> int:
+    """Set Completion.token_bitmask on every completion of each group constrained by its regex;
+    returns how many completions had a token the grammar refused."""
+    refused = 0
+    for group, regex in zip(groups, regexes, strict=True):
+        if not regex:
+            continue
+        for c in group.completions:
+            c.token_bitmask, r = masks.bitmask(regex, c.completion_ids)
+            refused += r
+    return refused

@@ -85,11 +85,11 @@ def dry_run(cfg: Any) -> list[str]:
     if cfg.model.lora.enabled and converted(cfg.model.path):  # its modules, from config.json alone
         check_lora_targets(model_skeleton(resolve_model_path(cfg.model.path)), cfg.model.lora.target_modules)
     task = build_task(cfg.task)
-    from sleuth.credit import check_answer_credit
+    from sleuth.credit import check_credit
     from sleuth.sampling import check_format_reward
 
     check_format_reward(cfg, task)
-    check_answer_credit(cfg, task)
+    check_credit(cfg, task)
     from sleuth.rollout.factory import engine_kind
     from sleuth.structured import check_structured_output
 

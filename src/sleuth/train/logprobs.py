@@ -14,6 +14,11 @@ matmuls and two softmaxes) with two matmuls and one softmax. When the weight is 
 fine-tuning; it is usually tied to the input embedding), its gradient needs the incoming gradient,
 so the chunk's p - e_t is kept for backward (in the head's dtype, within KEEP_BUDGET_BYTES) or,
 past that budget, its logits are recomputed there.
+Constrained decoding (rollout.structured_output): `token_bitmask` [N, ceil(V/32)] int32 gives the
+tokens the grammar allowed at each position (bit j of word w: token 32w + j, xgrammar's layout);
+disallowed logits are set to a large negative number before the softmax, so logprobs, entropies
+and the gradient are the constrained policy's, the distribution the engine sampled from. A token
+the grammar forced has logprob 0 and no gradient.
 Precision: the logits, the log-softmax, logprobs and entropies are float32; the gradient matmuls
 run in the head's dtype (bf16 gradients, as in any bf16 training). Measured on SmolLM2-135M over
 1,500 tokens of English text: bf16 logits (rounded to 8 significant bits, then upcast) would move
@@ -38,14 +43,35 @@ def _logits(hidden: torch.Tensor, weight_f32: torch.Tensor) -> torch.Tensor:
     return hidden.float() @ weight_f32.T
 
 
-def _softmax_stats(logits: torch.Tensor, targets: torch.Tensor,
-                   dlogits_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(logp [N], entropy [N], p - e_t [N, V] in dlogits_dtype or None) from float32 logits.
+MASKED_LOGIT = -1e30
+"""Logit of a token the grammar disallows: exp() underflows to 0, and unlike -inf, 0 x MASKED_LOGIT
+is 0, so the entropy's sum stays finite (float32 holds it: its limit is 3.4e38)."""
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int, targets: torch.Tensor) -> torch.Tensor:
+    """[N, vocab] bool allowed tokens from a [N, W] int32 bitmask; ids past 32 W are disallowed.
+    Each target stays allowed (a sampled token the grammar refused would otherwise get logprob
+    -1e30: the sampler counts such tokens, rollout/constraint_refused)."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().reshape(bitmask.shape[0], -1)
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    allowed = allowed[:, :vocab]
+    allowed[torch.arange(targets.shape[0], device=targets.device), targets] = True
+    return allowed
+
+
+def _softmax_stats(logits: torch.Tensor, targets: torch.Tensor, dlogits_dtype: torch.dtype | None = None,
+                   allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(logp [N], entropy [N], p - e_t [N, V] in dlogits_dtype or None) from float32 logits,
+    restricted to the `allowed` tokens [N, V] when given (constrained decoding).
 
     Overwrites `logits`. Few passes over the vocabulary-sized buffer, since on CPU each pass costs
     about as much as a tenth of the lm_head matmul: shift by the row max in place, one exp into a
     second buffer, then sums, one in-place scaling and one cast to the dtype of the gradient matmul.
     """
+    if allowed is not None:
+        logits.masked_fill_(~allowed, MASKED_LOGIT)
     shifted = logits.sub_(logits.amax(-1, keepdim=True))
     exp = torch.exp(shifted)
     total = exp.sum(-1, keepdim=True)
@@ -75,10 +101,11 @@ class _ChunkLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, weight_f32: torch.Tensor,
-                targets: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+                targets: torch.Tensor, mode: str, allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.mode = mode
+        ctx.allowed = allowed  # no gradient: kept as an attribute for a recomputing backward
         logp, entropy, probs = _softmax_stats(_logits(hidden, weight_f32), targets,
-                                              None if mode == RECOMPUTE else weight.dtype)
+                                              None if mode == RECOMPUTE else weight.dtype, allowed)
         if mode == BASIS:
             assert probs is not None
             ctx.save_for_backward(probs @ weight)  # -(d logp / d hidden)
@@ -94,25 +121,28 @@ class _ChunkLogprobs(torch.autograd.Function):
         if ctx.mode == BASIS:
             (basis,) = ctx.saved_tensors
             grad_hidden = (basis.float() * -grad_logp[:, None]).to(basis.dtype)
-            return grad_hidden, None, None, None, None
+            return grad_hidden, None, None, None, None, None
         if ctx.mode == KEEP:
             hidden, weight, probs = ctx.saved_tensors
         else:
             hidden, weight, weight_f32, targets = ctx.saved_tensors
-            probs = _softmax_stats(_logits(hidden, weight_f32), targets, torch.float32)[2]
+            probs = _softmax_stats(_logits(hidden, weight_f32), targets, torch.float32, ctx.allowed)[2]
         assert probs is not None
         grad_logits = (probs * -grad_logp[:, None].to(probs.dtype)).to(weight.dtype)
         grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad_logits.T @ hidden.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def token_logprobs(
-    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, chunk: int = LOGIT_CHUNK
+    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, chunk: int = LOGIT_CHUNK,
+    token_bitmask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each target and the entropy of each predictive distribution, chunked.
 
     hidden: [N, H] states that predict targets [N]. The entropy carries no gradient (it is logged).
+    token_bitmask: [N, W] int32, the tokens allowed at each position (constrained decoding; see
+    the module doc), or None for the unconstrained distribution.
     """
     if getattr(lm_head, "bias", None) is not None:
         raise UserError("lm_head with a bias is not supported by the chunked logprob computation")
@@ -124,15 +154,16 @@ def token_logprobs(
     kept = 0
     for s in range(0, hidden.shape[0], chunk):
         h, t = hidden[s : s + chunk], targets[s : s + chunk]
+        allowed = None if token_bitmask is None else unpack_bitmask(token_bitmask[s : s + chunk], weight.shape[0], t)
         if grad:
             mode = BASIS
             if weight.requires_grad:
                 size = h.shape[0] * weight.shape[0] * weight.element_size()
                 mode = KEEP if kept + size <= KEEP_BUDGET_BYTES else RECOMPUTE
                 kept += size if mode == KEEP else 0
-            lp, ent = _ChunkLogprobs.apply(h, weight, weight_f32, t, mode)
+            lp, ent = _ChunkLogprobs.apply(h, weight, weight_f32, t, mode, allowed)
         else:
-            lp, ent, _ = _softmax_stats(_logits(h, weight_f32), t)  # no gradient buffer
+            lp, ent, _ = _softmax_stats(_logits(h, weight_f32), t, allowed=allowed)  # no gradient buffer
         logps.append(lp)
         entropies.append(ent)
     return torch.cat(logps), torch.cat(entropies)

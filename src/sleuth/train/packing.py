@@ -96,6 +96,9 @@ class PackedRow:
     """[N] the rollout engine's logprob of each target token (float32)."""
     advantages: torch.Tensor
     """[N] the sequence's advantage, repeated over its targets (float32)."""
+    token_bitmask: torch.Tensor | None = None
+    """[N, W] int32 tokens the grammar allowed at each target (Completion.token_bitmask; all bits
+    set for a completion without one), or None when no completion of the row has one."""
     placements: list[Placement] = field(default_factory=list)
     nodes: list[RowNode] = field(default_factory=list)
 
@@ -173,6 +176,10 @@ def _validate_completion(comp: Completion, where: str) -> None:
         raise UserError(f"{where} has {len(comp.logprobs)} logprobs for {n} tokens")
     if not all(math.isfinite(x) for x in comp.logprobs):
         raise UserError(f"{where} has a non-finite (NaN/inf) engine logprob")
+    bm = comp.token_bitmask
+    if bm is not None and (not isinstance(bm, torch.Tensor) or bm.dtype != torch.int32 or bm.dim() != 2
+                           or bm.shape[0] != n):
+        raise UserError(f"{where} has a token_bitmask that is not an int32 tensor of {n} rows")
     if comp.loss_mask is not None:
         if len(comp.loss_mask) != n:
             raise UserError(f"{where} has a loss_mask of {len(comp.loss_mask)} entries for {n} tokens")
@@ -364,6 +371,7 @@ def _build_row(groups: list[Group], parts: list[tuple[int, list[_Node]]], seq_of
     token_seq: list[int] = []
     engine: list[float] = []
     adv: list[float] = []
+    masks: list[tuple[torch.Tensor | None, int]] = []  # per placement: its targets' bitmask rows
     placements: list[Placement] = []
     tree = 0
     for g, forest in parts:
@@ -392,6 +400,8 @@ def _build_row(groups: list[Group], parts: list[tuple[int, list[_Node]]], seq_of
                 adv.extend([float(group.advantages[c])] * len(picked))
             else:  # per-answer credit (credit.py)
                 adv.extend(float(comp.token_advantages[k]) for k in picked)
+            bm = comp.token_bitmask
+            masks.append((None if bm is None else bm[torch.tensor(picked, dtype=torch.long)], len(picked)))
             placements.append(Placement(seq, g, c, tuple(positions), plen, len(path), len(picked)))
     pad = (-len(b.ids)) % pad_to_multiple
     n = len(b.ids)
@@ -407,5 +417,14 @@ def _build_row(groups: list[Group], parts: list[tuple[int, list[_Node]]], seq_of
         input_ids=long(b.ids), position_ids=long(b.pos), segment_ids=long(b.seg), scope_end=long(b.scope),
         predictor_index=long(predictor), target_ids=long(targets), token_seq=long(token_seq),
         engine_logprobs=torch.tensor(engine, dtype=torch.float32),
-        advantages=torch.tensor(adv, dtype=torch.float32), placements=placements, nodes=b.nodes,
+        advantages=torch.tensor(adv, dtype=torch.float32), token_bitmask=_row_bitmask(masks),
+        placements=placements, nodes=b.nodes,
     )
+
+
+def _row_bitmask(masks: list[tuple[torch.Tensor | None, int]]) -> torch.Tensor | None:
+    """The row's [N, W] target bitmask: placements without one allow every token (all bits set)."""
+    width = next((m.shape[1] for m, _ in masks if m is not None), None)
+    if width is None:
+        return None
+    return torch.cat([m if m is not None else torch.full((n, width), -1, dtype=torch.int32) for m, n in masks])

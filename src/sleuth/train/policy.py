@@ -52,14 +52,16 @@ class RowLogprobs(torch.nn.Module):
         self.lm = lm
 
     def forward(self, input_ids: torch.Tensor, predictor_index: torch.Tensor | None = None,
-                target_ids: torch.Tensor | None = None, **model_kwargs: Any) -> Any:
-        """(logprob, entropy) of `target_ids` predicted at `predictor_index`; without targets the
-        model's own full forward and its logits (the self-check's reference)."""
+                target_ids: torch.Tensor | None = None, token_bitmask: torch.Tensor | None = None,
+                **model_kwargs: Any) -> Any:
+        """(logprob, entropy) of `target_ids` predicted at `predictor_index` (under the grammar's
+        `token_bitmask` when given: constrained decoding); without targets the model's own full
+        forward and its logits (the self-check's reference)."""
         if target_ids is None or predictor_index is None:
             return self.lm(input_ids=input_ids, use_cache=False, **model_kwargs).logits
         out = self.lm.model(input_ids=input_ids, use_cache=False, **model_kwargs)
         hidden = out.last_hidden_state[0].index_select(0, predictor_index)
-        return token_logprobs(hidden, self.lm.get_output_embeddings(), target_ids)
+        return token_logprobs(hidden, self.lm.get_output_embeddings(), target_ids, token_bitmask=token_bitmask)
 
 
 class Policy:
@@ -164,6 +166,7 @@ class Policy:
         dev = self.device
         return row_model(
             row.input_ids.to(dev)[None], row.predictor_index.to(dev), row.target_ids.to(dev),
+            token_bitmask=None if row.token_bitmask is None else row.token_bitmask.to(dev),
             position_ids=row.position_ids.to(dev)[None], **attention_kwargs(row, self.attn_backend, dev),
         )
 

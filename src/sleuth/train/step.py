@@ -19,7 +19,7 @@ import math
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -311,7 +311,9 @@ class Trainer:
         was_training = policy.model.training
         policy.model.eval()
         try:
-            packed, _ = policy.row_logprobs(row)
+            # The raw model on both sides: the check is about attention over the packed rows, and
+            # naive_logprobs knows no grammar (structured output's token_bitmask).
+            packed, _ = policy.row_logprobs(replace(row, token_bitmask=None))
             diffs = []
             chosen = {pl.seq: pl for pl in (row.placements[0], deepest, row.placements[-1])}
             offsets = {}

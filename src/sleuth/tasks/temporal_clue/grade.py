@@ -231,19 +231,21 @@ def answer_parts(solution: Mapping[str, str], completion: str) -> list[AnswerPar
     if not letters:
         return []
     given = extract_answers(completion, set(letters))
-    lines: dict[str, tuple[int, int, str]] = {}  # letter -> its last line of its own
+    lines: dict[str, tuple[int, int, int]] = {}  # letter -> its last line of its own: start, answer, end
     start = 0
     for line in completion.splitlines(keepends=True):
         end = start + len(line.rstrip("\r\n"))
         markers = _markers(completion, letters, start, end)
         if len(markers) == 1:
             at, answer_start = markers[0]
-            lines[completion[at].upper()] = (start, end, completion[answer_start:end])
+            lines[completion[at].upper()] = (start, answer_start, end)
         start += len(line)
     parts = []
-    for letter, (begin, end, answer) in lines.items():
+    for letter, (begin, value_start, end) in lines.items():
+        answer = completion[value_start:end]
         if letter in given and given[letter].rstrip() == answer.rstrip():
-            parts.append(AnswerPart(letter, begin, end, 1.0 if answer_matches(answer, truths[letter]) else 0.0))
+            reward = 1.0 if answer_matches(answer, truths[letter]) else 0.0
+            parts.append(AnswerPart(letter, begin, end, reward, value_start=value_start))
     return sorted(parts, key=lambda p: p.start)
 
 
