@@ -85,16 +85,16 @@ def summarize(run_dir: Path, name: str, seed: int, wall_s: float) -> dict[str, A
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    print(f"{'arm':<11} {'seed':>4} {'iters':>5} {'run_min':>7} {'wall_min':>8} {'before':>6} {'after':>6} "
+    print(f"{'arm':<14} {'seed':>4} {'iters':>5} {'run_min':>7} {'wall_min':>8} {'before':>6} {'after':>6} "
           f"{'chance':>6} {'gain':>7} {'se':>6}")
     for r in results:
-        print(f"{r['arm']:<11} {r['seed']:>4} {r['iterations']:>5} {r['run_min']:>7.2f} {r['wall_min']:>8.2f} "
+        print(f"{r['arm']:<14} {r['seed']:>4} {r['iterations']:>5} {r['run_min']:>7.2f} {r['wall_min']:>8.2f} "
               f"{r['before']:>6.3f} {r['after']:>6.3f} {r['chance'] or math.nan:>6.3f} {r['gain']:>+7.3f} "
               f"{r['gain_se']:>6.3f}")
     print("\nheld-out reward against wall-clock minutes (minutes:reward)")
     for r in results:
         points = "  ".join(f"{m:.2f}:{v:.3f}" for m, v in r["curve"])
-        print(f"{r['arm']:<11} {r['seed']:>4}  {points}")
+        print(f"{r['arm']:<14} {r['seed']:>4}  {points}")
 
 
 def main() -> None:
