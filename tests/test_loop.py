@@ -6,7 +6,6 @@ iteration really trains (a reward that is always 0 would leave the weights uncha
 the resume comparison vacuous).
 """
 
-import hashlib
 import json
 import os
 import queue
@@ -20,6 +19,7 @@ from io import StringIO
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from sleuth.config import load_config
@@ -53,13 +53,28 @@ def stable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not any(t in k for t in VOLATILE)} for r in rows]
 
 
-def weights_hash(folder: Path) -> str:
-    tensors = load_file(str(folder / "model.safetensors"))
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(tensors[name].contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
-    return h.hexdigest()
+def assert_same_run(run: Path, reference: Path, context: str) -> None:
+    """The run's metrics and final weights equal the reference's: integers, lists (the problem
+    positions trained on) exactly, floats (rewards, token means, losses, weights) to 1e-4 relative,
+    1e-6 absolute.
+
+    Why not bit for bit: on this machine a killed-and-resumed run matches bit for bit, but on a CI
+    machine the first iteration after a resume differed in the 7th digit of the TIS weight (one
+    token's logprob, some ulps) and so in a loss that is ~1e-7 (ratio 1, advantages summing to 0),
+    with every reward, token count and position the same. A resume bug (a lost or repeated problem,
+    a stale optimizer or sampling state) moves rewards by >= 1/56 and the gradient norm by far more.
+    """
+    got, want = stable(read_metrics(run)), stable(read_metrics(reference))
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in want], context
+    for g, w in zip(got, want):
+        assert sorted(g) == sorted(w), f"iteration {g['iteration']}: other metrics\n{context}"
+        for key, value in w.items():
+            close = isinstance(value, float) and g[key] == pytest.approx(value, rel=1e-4, abs=1e-6)
+            assert close or g[key] == value, f"iteration {g['iteration']}: {key} {g[key]} != {value}\n{context}"
+    mine, theirs = (load_file(str(d / "model" / "model.safetensors")) for d in (run, reference))
+    assert sorted(mine) == sorted(theirs), context
+    for name, t in theirs.items():
+        torch.testing.assert_close(mine[name], t, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_loop_trains_logs_and_checkpoints(setup_files, tmp_path):
@@ -229,8 +244,7 @@ def test_fault_injection_kills_then_resume_match_an_uninterrupted_run(setup_file
     _, err = final.communicate(timeout=400)
     context = "\n".join(log)
     assert final.returncode == 0, f"{context}\n{err[-3000:]}"
-    assert stable(read_metrics(run)) == stable(read_metrics(reference)), context
-    assert weights_hash(run / "model") == weights_hash(reference / "model"), context
+    assert_same_run(run, reference, context)
 
 
 @pytest.mark.slow
