@@ -28,16 +28,27 @@ def test_starts_only_iterations_expected_to_end_within_budget(clock):
     assert b.allows_next()
     assert not b.allows_next(ahead=1)  # 32 + 24 + 10 = 66 > 60
     b.record(20.0)
-    clock[0] += 20.0  # elapsed 52, estimate mean(12, 20) = 16
-    assert b.estimate_s() == pytest.approx(16.0)
+    clock[0] += 20.0  # elapsed 52: 52 + 20 + 10 = 82 > 60
+    assert b.estimate_s() == pytest.approx(20.0)
     assert not b.allows_next()
+
+
+def test_estimate_errs_long_on_uneven_iterations(clock):
+    b = TimeBudget(minutes=1.0, reserve_s=10.0)
+    b.record(12.0)
+    b.record(20.0)
+    clock[0] += 34.0  # the mean (16) would start one more: 34 + 16 + 10 = 60; the longest (20) not
+    assert b.estimate_s() == pytest.approx(20.0)
+    assert not b.allows_next()
+    clock[0] -= 4.0  # elapsed 30: 30 + 20 + 10 = 60
+    assert b.allows_next()
 
 
 def test_estimate_follows_the_last_iterations(clock):
     b = TimeBudget(minutes=10)
-    for s in (100.0, 1.0, 2.0, 3.0):
+    for s in (100.0, 1.0, 3.0, 2.0):
         b.record(s)
-    assert b.estimate_s() == pytest.approx(2.0)  # the window of the last 3
+    assert b.estimate_s() == pytest.approx(3.0)  # the longest of the last 3 (100 has left the window)
 
 
 def test_resumed_budget_counts_the_time_already_spent(clock):

@@ -6,8 +6,12 @@
     while budget.allows_next():
         t = time.perf_counter(); run_iteration(); budget.record(time.perf_counter() - t)
 
-The next iteration's length is estimated as the mean of the last ESTIMATE_WINDOW measured ones
-(iterations vary with dynamic sampling and completion length; a short window follows the trend).
+The next iteration's length is estimated as the longest of the last ESTIMATE_WINDOW measured ones:
+iterations vary with dynamic sampling, completion length and the machine's load (25-45 s on one
+2-core run), and the budget is a promise, so the estimate errs long. With the mean, a 15-minute
+default run on a shared CPU started its last iteration on a 37 s estimate, took 49 s and ended at
+15:19; the longest of the last 3 would have stopped one iteration earlier (docs/benchmarks.md,
+"learning"). A short window still follows the trend.
 Before any iteration is measured the first one starts whenever the reserve still fits. The clock
 counts everything since the run started (model loading and evaluations included; from the command
 line also the interpreter's start-up, `process_age_s`), and a resumed run carries the time its
@@ -22,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 ESTIMATE_WINDOW = 3
-"""Iterations averaged for the estimate of the next one."""
+"""Iterations whose longest is the estimate of the next one."""
 
 FINAL_EVAL_MARGIN = 1.25
 """The final evaluation is estimated as this times the measured one before training (completions
@@ -71,9 +75,9 @@ class TimeBudget:
         self.iteration_s.append(seconds)
 
     def estimate_s(self) -> float | None:
-        """Expected length of the next iteration (None before any was measured)."""
+        """Expected length of the next iteration, erring long (None before any was measured)."""
         recent = self.iteration_s[-ESTIMATE_WINDOW:]
-        return sum(recent) / len(recent) if recent else None
+        return max(recent) if recent else None
 
     def allows_next(self, ahead: int = 0) -> bool:
         """True when the next iteration (and `ahead` more after it) is expected to end, with the
