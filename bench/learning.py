@@ -51,8 +51,8 @@ ARMS: dict[str, list[str]] = {
     "constrained": ["rollout.structured_output=true", "algorithm.credit=answer"],
     "constrained_lr": ["rollout.structured_output=true", "algorithm.credit=answer", "trainer.lr=1e-3"],
     # Re-tuning for reward per minute (chosen before either was run): a 3x learning rate, and
-    # groups of 4 samples (iterations ~40% shorter, so more updates in the budget, on noisier
-    # group baselines).
+    # groups of 4 samples (more updates in the budget, on noisier group baselines). Measured for
+    # 15 minutes, neither kept (docs/benchmarks.md, "learning").
     "lr": ["trainer.lr=1e-3"],
     "small_groups": ["rollout.samples_per_task=4"],
     "combined": ["algorithm.dynamic_sampling=true", "algorithm.mask_truncated=true",
