@@ -55,6 +55,15 @@ ARMS: dict[str, list[str]] = {
     # 15 minutes, neither kept (docs/benchmarks.md, "learning").
     "lr": ["trainer.lr=1e-3"],
     "small_groups": ["rollout.samples_per_task=4"],
+    # Four more, each fixed from the training side of earlier runs and measured once, none kept
+    # (docs/benchmarks.md, "learning"): per-answer credit without the constraint (each `A. ...`
+    # line takes its own question's advantage); the same 32 completions as 2 groups of 16 (half the
+    # prompt tokens to train on); a KL term to the untrained policy (DeepSeekMath's GRPO weight)
+    # against the entropy collapse that stalls seeds 1 and 2; the 3x learning rate with that KL term.
+    "answer_credit": ["algorithm.credit=answer"],
+    "big_groups": ["rollout.samples_per_task=16", "loop.tasks_per_iteration=2"],
+    "kl": ["algorithm.kl_beta=0.04"],
+    "lr_kl": ["trainer.lr=1e-3", "algorithm.kl_beta=0.04"],
     "combined": ["algorithm.dynamic_sampling=true", "algorithm.mask_truncated=true",
                  "algorithm.overlong_buffer=16", "loop.max_staleness=1"],
 }
@@ -115,8 +124,11 @@ def main() -> None:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
-        raise SystemExit(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
-    seeds = [int(s) for s in args.seeds.split(",")]
+        parser.error(f"unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")  # exit 2
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        parser.error(f"--seeds {args.seeds!r}: expected comma-separated integers")
     out = Path(args.out or tempfile.mkdtemp(prefix="sleuth-learning-"))
     print(f"# cpu: {cpu_description()}")
     print(f"# {len(arms)} arms x {len(seeds)} seeds, {args.minutes} minutes each, runs in {out}", flush=True)

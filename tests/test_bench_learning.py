@@ -1,0 +1,41 @@
+"""bench/learning.py's command line: bad flags exit 2 with a one-line error before any run starts."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sleuth.cli.train import default_config_path
+from sleuth.config import load_config
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "learning.py"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--arms", "default,bogus"], "unknown arm(s) bogus; choose from default,"),
+    (["--seeds", "0,x"], "--seeds '0,x': expected comma-separated integers"),
+])
+def test_bad_flags_exit_2_naming_the_flag(tmp_path, flags, message):
+    out = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, str(SCRIPT), *flags, "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert message in proc.stderr.splitlines()[-1]
+    assert not out.exists()  # nothing was started
+
+
+def test_every_arm_is_a_valid_config_over_the_default():
+    """Each arm's overrides load over the embedded default (known keys, valid values), as the
+    run_arm command line passes them; a typo in an arm would otherwise surface minutes into a run."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import learning
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    assert set(learning.DEFAULT_ARMS.split(",")) <= set(learning.ARMS)
+    for name, overrides in learning.ARMS.items():
+        cfg = load_config(default_config_path(), [*overrides, "loop.time_budget_min=15", "loop.seed=1"])
+        assert cfg.loop.seed == 1, name
+    kl = load_config(default_config_path(), learning.ARMS["kl"])
+    assert kl.algorithm.kl_beta == 0.04 and kl.trainer.lr == load_config(default_config_path()).trainer.lr
