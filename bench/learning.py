@@ -34,8 +34,12 @@ from sleuth.metrics import upgrade_row
 from sleuth.scoring import mean_se
 
 RAW = ["algorithm.constrained_logprobs=false"]
-ARMS: dict[str, list[str]] = {
-    "default": [],
+EARLIER = ["algorithm.credit=sequence", "algorithm.format_reward=0", "trainer.mini_batches=1",
+           "task.stop_after_sheet=false"]
+"""The embedded default until 2026-12-04 (before `sheet` became it): every arm below that was
+measured against it keeps it underneath, so its figures in docs/benchmarks.md stay reproducible."""
+_ARMS: dict[str, list[str]] = {
+    "earlier": [],
     "dynamic": ["algorithm.dynamic_sampling=true"],
     "overlong": ["algorithm.mask_truncated=true", "algorithm.overlong_buffer=16"],
     "overlap": ["loop.max_staleness=1"],
@@ -64,10 +68,25 @@ ARMS: dict[str, list[str]] = {
     "big_groups": ["rollout.samples_per_task=16", "loop.tasks_per_iteration=2"],
     "kl": ["algorithm.kl_beta=0.04"],
     "lr_kl": ["trainer.lr=1e-3", "algorithm.kl_beta=0.04"],
+    # Per-answer credit with each answer's own format score in its reward (credit.py): a listed
+    # choice on a line earns w even when wrong, so a suspect line learns to name a suspect from
+    # its own samples instead of from the sheet's total.
+    "answer_format": ["algorithm.credit=answer", "algorithm.format_reward=0.5"],
+    # The same with one optimizer step per group (trainer.mini_batches=4): four updates an
+    # iteration at the same compute, each later group corrected by the IS weight.
+    "answer_format_mb": ["algorithm.credit=answer", "algorithm.format_reward=0.5", "trainer.mini_batches=4"],
+    # ... and each completion ended where the sheet ends (task.stop_after_sheet): no answers to
+    # questions that do not exist, whose room names took the whole completion's advantage.
+    # The stop alone on the default: which part of `sheet` the gain comes from.
+    "stop": ["task.stop_after_sheet=true"],
+    "sheet": ["algorithm.credit=answer", "algorithm.format_reward=0.5", "trainer.mini_batches=4",
+              "task.stop_after_sheet=true"],
     "combined": ["algorithm.dynamic_sampling=true", "algorithm.mask_truncated=true",
                  "algorithm.overlong_buffer=16", "loop.max_staleness=1"],
 }
-DEFAULT_ARMS = "default,dynamic,overlong,overlap,curriculum,combined"
+ARMS: dict[str, list[str]] = {"default": [], **{name: [*EARLIER, *o] for name, o in _ARMS.items()}}
+"""`default` is the embedded default as it is now (the `sheet` arm's levers)."""
+DEFAULT_ARMS = "default,earlier,sheet"
 
 
 def run_arm(name: str, seed: int, minutes: float, eval_every: int, out: Path) -> dict[str, Any]:

@@ -188,7 +188,7 @@ def test_train(arch: str, tmp_path: Path, lowercase_task: Path, capsys: pytest.C
     code = sleuth_main([
         "train", "--out", str(tmp_path / "run"), f"model.path={model}", "model.dtype=float32",
         "model.lora.rank=4", "model.lora.alpha=8", f"task.name={lowercase_task}:problems",
-        "task.eval_size=2", "task.verifier_isolation=inline", "rollout.engine=hf",
+        "task.eval_size=2", "task.verifier_isolation=inline", "rollout.engine=hf", "algorithm.credit=sequence", "algorithm.format_reward=0", "trainer.mini_batches=1",
         "rollout.samples_per_task=3", "rollout.max_tokens=8", "trainer.lr=0.02", "loop.iterations=2",
         "loop.tasks_per_iteration=2", "loop.eval_every=2", "eval.k=1", "logging.tensorboard=false",
     ])

@@ -120,6 +120,33 @@ def test_a_group_with_equal_totals_still_has_a_signal(tokenizer, task):
     assert float(batch.rows[0].advantages.abs().max()) > 0.5
 
 
+def test_each_answer_earns_its_own_format_score(tokenizer):
+    """With algorithm.format_reward each answer's reward is its correctness plus the weight times
+    its own format score: a listed choice on line A earns w even when wrong, a room named there
+    earns nothing, so line A carries a signal though no sheet gets A right."""
+    problem = Problem("p", [], dict(SOLUTION), {"choices": {"A": ["Mrs. White", "Miss Scarlet", "Mr. Green"],
+                                                           "B": ["Knife", "Rope", "Wrench"],
+                                                           "C": ["Library", "Ballroom", "Hall"]}})
+    task = TemporalClueTask(load_config(None, []).task)
+    texts = ["A. Miss Scarlet\nB. Rope\nC. Library", "A. Library\nB. Rope\nC. Library",
+             "A. Mr. Green\nB. Rope\nC. Hall", "A. Library\nB. Rope\nC. Library"]
+    group = group_of(tokenizer, texts)
+    group.problem = problem
+    parts = task.answer_parts(problem, texts[1])
+    assert [(p.key, p.reward, p.format_score) for p in parts] == [("A", 0.0, 0.0), ("B", 0.0, 1.0), ("C", 1.0, 1.0)]
+    (group,), _ = compute_advantages([group], "grpo", drop_zero=False)
+    first_tokens = {}
+    for weight in (0.0, 0.5):
+        assign_answer_credit([group], task, "grpo", tokenizer, format_weight=weight)
+        first_tokens[weight] = [c.token_advantages[0] for c in group.completions]
+    assert first_tokens[0.0] == [0.0] * 4  # A is wrong on every sheet: no signal without the format term
+    assert first_tokens[0.5] == pytest.approx(grpo([0.5, 0.0, 0.5, 0.0]))
+    c_line = texts[2].index("C.")  # C: right (1.5) on three sheets, a listed but wrong choice (0.5) on one
+    c = group.completions[2]
+    k = next(k for k, e in enumerate(token_char_ends(tokenizer, c.completion_ids)) if e > c_line)
+    assert c.token_advantages[k] == pytest.approx(grpo([1.5, 1.5, 0.5, 1.5])[2])
+
+
 def test_bad_token_advantages_are_refused(tokenizer):
     group = group_of(tokenizer, SHEETS[:2])
     group.advantages = [0.5, -0.5]
@@ -131,16 +158,24 @@ def test_bad_token_advantages_are_refused(tokenizer):
         pack_groups([group], 512)
 
 
-def test_credit_needs_a_task_with_answer_parts(tmp_path, task, capsys):
-    check_credit(load_config(None, ["algorithm.credit=answer"]), task)
+def test_credit_on_a_task_without_answer_parts_is_a_note(tmp_path, task, capsys):
+    """The embedded default sets algorithm.credit=answer for Temporal Clue; a task that grades a
+    completion as a whole keeps sequence credit, and start-up says so in one note."""
+    assert check_credit(load_config(None, ["algorithm.credit=answer"]), task) is None
     math_file = tmp_path / "m.jsonl"
     math_file.write_text('{"problem": "1+1", "answer": 2}\n')
-    cfg = load_config(None, ["task.name=math", f"task.train_path={math_file}", f"task.eval_path={math_file}",
-                             "algorithm.credit=answer"])
+    args = ["task.name=math", f"task.train_path={math_file}", f"task.eval_path={math_file}"]
+    cfg = load_config(None, [*args, "algorithm.credit=answer"])
     from sleuth.tasks.math import MathTask
 
-    with pytest.raises(ConfigError, match="task 'math' grades a completion as a whole"):
-        check_credit(cfg, MathTask(cfg.task))
+    note = check_credit(cfg, MathTask(cfg.task))
+    assert note is not None and "task 'math' grades a completion as a whole" in note
+    assert "keep sequence credit" in note
+    assert check_credit(load_config(None, args), MathTask(cfg.task)) is None
+    assert main(["train", "--dry-run", "task.eval_size=2", *args]) == 0  # the embedded default: noted
+    err = capsys.readouterr().err
+    assert "sleuth: note: algorithm.credit=answer: task 'math'" in err
+    assert "sleuth: note: algorithm.format_reward=0.5: task 'math' has no format score" in err
     assert main(["train", "--dry-run", "task.eval_size=2", "algorithm.credit=answers"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "algorithm.credit" in err[0]

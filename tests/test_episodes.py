@@ -121,7 +121,7 @@ def test_train_two_iterations_on_the_guess_number_example(tmp_path):
     example = Path(__file__).resolve().parents[1] / "examples" / "guess_number.py"
     model = write_tiny_model(tmp_path / "tiny")
     run = tmp_path / "run"
-    code = main(["train", f"model.path={model}", f"task.name={example}:problems", "rollout.engine=hf",
+    code = main(["train", f"model.path={model}", f"task.name={example}:problems", "rollout.engine=hf", "algorithm.credit=sequence", "algorithm.format_reward=0", "trainer.mini_batches=1",
                  "model.dtype=float32", "model.lora.enabled=false", "rollout.samples_per_task=2",
                  "rollout.max_tokens=4", "loop.iterations=2", "loop.tasks_per_iteration=2", "task.eval_size=1",
                  "eval.k=1", "loop.checkpoint_every=0", "--out", str(run)])
@@ -162,7 +162,7 @@ def test_dry_run_checks_the_episode_function(user_task, tmp_path, capsys):
     from sleuth.testing.tiny_model import write_tiny_model
 
     model = write_tiny_model(tmp_path / "tiny")
-    base = ["train", "--dry-run", f"model.path={model}", f"task.name={user_task}:problems"]
+    base = ["train", "--dry-run", f"model.path={model}", f"task.name={user_task}:problems", "algorithm.credit=sequence", "algorithm.format_reward=0", "trainer.mini_batches=1"]
     assert main(base) == 0
     assert "episodes: rollout through the gateway, at most 8 calls each" in capsys.readouterr().out
     assert main([*base, f"task.rollout={user_task}:missing"]) == 2

@@ -38,6 +38,8 @@ def overrides(tiny: Path, task_file: Path, iterations: int = 4) -> list[str]:
     return [
         f"model.path={tiny}", "model.dtype=float32", "model.lora.rank=4", "model.lora.alpha=8",
         f"task.name={task_file}:problems", "task.eval_size=3", "task.verifier_isolation=inline",
+        # The embedded default's Temporal Clue levers, off for this task (and as these tests were written).
+        "algorithm.credit=sequence", "algorithm.format_reward=0", "trainer.mini_batches=1",
         "rollout.engine=hf", "rollout.samples_per_task=4", "rollout.max_tokens=8",
         "trainer.lr=0.02", f"loop.iterations={iterations}", "loop.tasks_per_iteration=2",
         "loop.eval_every=2", "loop.checkpoint_every=1", "loop.keep_checkpoints=2",

@@ -31,6 +31,7 @@ def setup(tmp_path_factory, tiny_model_dir, lowercase_task):
     args = [
         f"model.path={tiny}", "model.dtype=float32", "model.lora.rank=4", "model.lora.alpha=8",
         f"task.name={task_file}:problems", "task.verifier_isolation=inline", "loop.evaluate=false",
+        "algorithm.credit=sequence", "algorithm.format_reward=0", "trainer.mini_batches=1",
         "rollout.engine=hf", "rollout.samples_per_task=4", "rollout.max_tokens=16", "trainer.lr=0.05",
         f"loop.iterations={ITERATIONS}", "loop.tasks_per_iteration=4", "loop.checkpoint_every=1",
         "loop.deterministic=true", "logging.tensorboard=false",

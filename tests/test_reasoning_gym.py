@@ -114,7 +114,7 @@ def test_two_training_iterations_with_the_tiny_model(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "tiny")
     run = tmp_path / "run"
     code = main(["train", "--out", str(run), "task.name=reasoning_gym", "task.dataset=basic_arithmetic",
-                 "task.eval_size=2", f"model.path={model}", "model.dtype=float32", "rollout.engine=hf",
+                 "task.eval_size=2", f"model.path={model}", "model.dtype=float32", "rollout.engine=hf", "algorithm.credit=sequence", "algorithm.format_reward=0", "trainer.mini_batches=1",
                  "rollout.samples_per_task=2", "rollout.max_tokens=8", "loop.iterations=2",
                  "loop.tasks_per_iteration=2", "loop.eval_every=0", "eval.k=1", "logging.tensorboard=false"])
     assert code == 0

@@ -161,8 +161,13 @@ def test_format_reward_is_its_own_reward_term_and_breaks_ties():
     assert out["rollout/format_reward"] == pytest.approx((1.0 + 4 * 0.25) / 8)
 
 
-def test_format_reward_needs_a_task_with_a_format_score(files, tmp_path):
-    from sleuth.errors import ConfigError
+def test_format_reward_on_a_task_without_a_format_score_is_a_note(files):
+    from sleuth.sampling import check_format_reward
+    from sleuth.tasks.registry import build_task
 
-    with pytest.raises(ConfigError, match="has no format score"):
-        make_sampler(files, tmp_path, "algorithm.format_reward=0.3")
+    _, task_file = files
+    cfg = load_config(None, [f"task.name={task_file}:problems", "algorithm.format_reward=0.3"])
+    note = check_format_reward(cfg, build_task(cfg.task))
+    assert note is not None and "has no format score" in note and "no format term is added" in note
+    assert check_format_reward(load_config(None, ["algorithm.format_reward=0.3"]),
+                               build_task(load_config(None, []).task)) is None  # Temporal Clue has one

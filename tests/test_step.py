@@ -17,7 +17,7 @@ from sleuth.testing.tiny_model import build_model, build_tokenizer
 from sleuth.train.advantages import compute_advantages
 from sleuth.train.packing import loss_mask, pack_groups
 from sleuth.train.policy import Policy
-from sleuth.train.step import METRIC_KEYS, SelfCheckError, Trainer, _PassCache
+from sleuth.train.step import METRIC_KEYS, SelfCheckError, Trainer, _PassCache, split_mini_batches
 
 VOCAB = 272
 
@@ -417,6 +417,39 @@ def test_step_reports_each_packed_row_for_a_progress_bar() -> None:
     rows = int(out["rows"])
     assert rows >= 2
     assert calls == [(i, 2 * rows) for i in range(1, 2 * rows + 1)]
+
+
+def test_split_mini_batches_keeps_order_and_balances_sizes() -> None:
+    groups = random_groups(9, n_groups=5)
+    parts = split_mini_batches(groups, 3)
+    assert [len(p) for p in parts] == [2, 2, 1]
+    assert [g for p in parts for g in p] == groups
+    assert [len(p) for p in split_mini_batches(groups, 8)] == [1] * 5  # never an empty mini-batch
+    assert split_mini_batches(groups, 1) == [groups]
+
+
+def test_mini_batches_are_one_optimizer_step_each() -> None:
+    """trainer.mini_batches=2 over two groups is exactly one step on the first group and then one
+    on the second: each takes its own logprobs before its step as "old", and the IS weight corrects
+    the second to the engine's logprobs (decoupled PPO)."""
+    algo = AlgorithmConfig(tis_cap=2.0)
+    groups = random_groups(31, n_groups=2, n_comp=4)
+    split = Trainer(make_policy(True, seed=8), algo, TrainerConfig(lr=1e-2, mini_batches=2, self_check=False),
+                    total_steps=4, max_tokens=8)
+    out = split.step(groups)
+    assert out["skipped"] == 0.0 and split.scheduler.last_epoch == 2  # two optimizer steps
+    one = Trainer(make_policy(True, seed=8), algo, TrainerConfig(lr=1e-2, self_check=False),
+                  total_steps=4, max_tokens=8)
+    first = one.step(groups[:1])
+    second = one.step(groups[1:])
+    for a, b in zip(split.policy.trainable_parameters(), one.policy.trainable_parameters(), strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=0)
+    assert out["completion_tokens"] == first["completion_tokens"] + second["completion_tokens"]
+    assert out["grad_norm"] == pytest.approx((first["grad_norm"] + second["grad_norm"]) / 2)
+    # The second mini-batch's IS weights differ from a single step's (its policy moved first).
+    whole = Trainer(make_policy(True, seed=8), algo, TrainerConfig(lr=1e-2, self_check=False),
+                    total_steps=4, max_tokens=8).step(groups)
+    assert out["tis_weight_mean"] != pytest.approx(whole["tis_weight_mean"], abs=1e-6)
 
 
 USER_ALGOS = '''

@@ -146,6 +146,24 @@ def test_constrained_sets_the_regex_only_when_on(tc_task):
         constrained(base, tc_task, Problem("x", [], {"A": "Mrs. White"}, {}), enabled=True)
 
 
+def test_the_task_stop_strings_end_the_sheet_in_training_and_evaluation(tc_task):
+    """task.stop_after_sheet: a completion ends where a line would start the question after the
+    sheet's last; `constrained` (which the sampler and the evaluation both call) adds it."""
+    from sleuth.tasks.temporal_clue.task import TemporalClueTask
+
+    problem = tc_task.eval_problems()[0]
+    last = max(problem.answer)
+    base = SamplingParams(temperature=0.7, max_tokens=64, stop=("</s>",))
+    assert tc_task.stop_strings(problem) == [] and constrained(base, tc_task, problem, enabled=False) is base
+    task = TemporalClueTask(load_config(None, ["task.stop_after_sheet=true"]).task)
+    stop = f"\n{chr(ord(last) + 1)}."
+    assert task.stop_strings(problem) == [stop]
+    assert constrained(base, task, problem, enabled=False).stop == ("</s>", stop)
+    on = constrained(base, task, problem, enabled=True)
+    assert on.stop == ("</s>", stop) and on.regex == task.answer_pattern(problem)
+    assert task.stop_strings(Problem("x", [], {"A": "Mrs. White", "B": "Rope"}, {})) == ["\nC."]
+
+
 def test_start_up_checks(tc_task, tmp_path):
     on = load_config(None, ["rollout.structured_output=true"])
     check_structured_output(on, tc_task, "vllm")

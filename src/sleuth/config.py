@@ -147,6 +147,11 @@ class TaskConfig(Section):
     list_choices: bool = True
     """temporal_clue: list the valid choices under each question, which makes a small model's start
     learnable (it otherwise copies the answer placeholders)."""
+    stop_after_sheet: bool = False
+    """temporal_clue: end each completion where a line would start the question after the sheet's
+    last (`\nI.` after question H), in training and evaluation alike. A small model otherwise goes
+    on writing answers to questions that do not exist until rollout.max_tokens; those lines earn
+    nothing, cost tokens and take the completion's advantage (Task.stop_strings)."""
     train_path: str | None = None
     """A data file of training problems (temporal_clue: JSON/JSONL in the published shape; math: JSONL
     with problem/answer). None: temporal_clue generates puzzles by seed."""
@@ -314,6 +319,11 @@ class TrainerConfig(Section):
     A group larger than this is split (each part repeats the prompt)."""
     epochs_per_iteration: int = Field(1, ge=1)
     """Optimizer passes over each iteration's batch (more than one makes the PPO ratio matter)."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per pass: the batch's groups split into this many mini-batches (verl's
+    ppo_mini_batch_size, TRL's steps_per_generation), each one step at the same compute. A later
+    mini-batch was sampled by older weights: its ratio is taken against its own logprobs before its
+    step and the truncated IS weight (algorithm.tis_cap) corrects to the engine's (decoupled PPO)."""
     self_check: bool = True
     """On the first step, also compute a slice the naive way and stop if packed logprobs differ."""
 

@@ -11,6 +11,12 @@ advantage_q(i). Tokens outside every answer (a preamble, newlines, the EOS token
 completion's own advantage, so reward shaping (over-length penalty, format reward) still reaches
 them. With structured output (sleuth.structured) every token but the answers' is forced anyway.
 
+With algorithm.format_reward (weight w) an answer's own reward is its correctness plus w times its
+own format score (AnswerPart.format_score; Temporal Clue: a listed choice or not), the per-answer
+share of the sequence-level format reward. Without it the format term would reach only the tokens
+between the answers, and a suspect named on a suspect line would get no more credit than a room
+named there: the small model's collapse onto a room name on every line (docs/benchmarks.md).
+
 With algorithm.loss_on=answers (structured output only) the tokens outside the answers' values,
 forced by the constraint, carry no loss at all (mask_to_answers).
 
@@ -29,20 +35,29 @@ from sleuth.tasks.base import Task
 from sleuth.train.advantages import get_advantage
 
 
-def check_credit(cfg: Config, task: Task) -> None:
-    """algorithm.credit=answer needs a task that grades answers one by one; algorithm.loss_on=answers
-    also needs the constraint that forces the other tokens: a one-line error at start-up."""
-    if cfg.algorithm.credit == "answer" and type(task).answer_parts is Task.answer_parts:
-        raise ConfigError(f"algorithm.credit=answer: task {cfg.task.name!r} grades a completion as a whole "
-                          "(no Task.answer_parts); set algorithm.credit=sequence")
+def locates_answers(task: Task) -> bool:
+    """Whether the task grades answers one by one (implements Task.answer_parts)."""
+    return type(task).answer_parts is not Task.answer_parts
+
+
+def check_credit(cfg: Config, task: Task) -> str | None:
+    """algorithm.credit=answer for a task that grades a completion as a whole: a start-up note (its
+    completions keep sequence credit; the embedded default sets it for Temporal Clue, and a run that
+    only changes task.name should still start). algorithm.loss_on=answers needs a task that locates
+    its answers and the constraint that forces the other tokens: a one-line error at start-up."""
+    note = None
+    if cfg.algorithm.credit == "answer" and not locates_answers(task):
+        note = (f"algorithm.credit=answer: task {cfg.task.name!r} grades a completion as a whole (no "
+                "Task.answer_parts), so its completions keep sequence credit; set algorithm.credit=sequence to say so")
     if cfg.algorithm.loss_on != "answers":
-        return
+        return note
     if type(task).answer_parts is Task.answer_parts:
         raise ConfigError(f"algorithm.loss_on=answers: task {cfg.task.name!r} does not locate its answers "
                           "(no Task.answer_parts); set algorithm.loss_on=all")
     if not cfg.rollout.structured_output:
         raise ConfigError("algorithm.loss_on=answers needs rollout.structured_output=true: without the "
                           "constraint every token is the model's own choice and must carry loss")
+    return note
 
 
 def token_char_ends(tokenizer: Any, ids: list[int]) -> list[int]:
@@ -64,9 +79,12 @@ def token_parts(parts: list[AnswerPart], ends: list[int]) -> list[int]:
     return out
 
 
-def assign_answer_credit(groups: list[Group], task: Task, estimator: str, tokenizer: Any) -> dict[str, float]:
+def assign_answer_credit(groups: list[Group], task: Task, estimator: str, tokenizer: Any,
+                         format_weight: float = 0.0) -> dict[str, float]:
     """Fill `Completion.token_advantages` of every completion of the groups (advantages already
-    computed); returns metrics: the share of completion tokens that took an answer's advantage."""
+    computed); returns metrics: the share of completion tokens that took an answer's advantage.
+    `format_weight` (algorithm.format_reward) adds each answer's own weighted format score to its
+    reward."""
     fn = get_advantage(estimator)
     credited = total = 0
     for group in groups:
@@ -78,7 +96,7 @@ def assign_answer_credit(groups: list[Group], task: Task, estimator: str, tokeni
         keys = sorted({p.key for ps in parts for p in ps})
         per_key = {}
         for key in keys:
-            rewards = [next((p.reward for p in ps if p.key == key), 0.0) for ps in parts]
+            rewards = [next((_part_reward(p, format_weight) for p in ps if p.key == key), 0.0) for ps in parts]
             per_key[key] = [float(a) for a in fn(rewards)]
         for i, (c, ps) in enumerate(zip(group.completions, parts, strict=True)):
             owner = token_parts(ps, token_char_ends(tokenizer, c.completion_ids)) if ps else [-1] * len(c.completion_ids)
@@ -86,6 +104,10 @@ def assign_answer_credit(groups: list[Group], task: Task, estimator: str, tokeni
             credited += sum(j >= 0 for j in owner)
             total += len(owner)
     return {"train/answer_credit_frac": credited / total if total else 0.0}
+
+
+def _part_reward(part: AnswerPart, format_weight: float) -> float:
+    return part.reward + format_weight * (part.format_score or 0.0)
 
 
 def mask_to_answers(groups: list[Group], task: Task, tokenizer: Any) -> dict[str, float]:

@@ -167,8 +167,9 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
         cluster, placement = start_cluster(cfg.cluster)
     seed_everything(cfg.loop.seed, 0, cfg.loop.deterministic)
     task = build_task(cfg.task)
-    check_format_reward(cfg, task)
-    check_credit(cfg, task)
+    for note in (check_format_reward(cfg, task), check_credit(cfg, task)):
+        if note:
+            print(f"sleuth: note: {note}", file=sys.stderr)
     check_structured_output(cfg, task, engine_kind(cfg.rollout))
     eval_problems = list(task.eval_problems())[: cfg.task.eval_size] if cfg.loop.evaluate else []
     if cfg.model.quantization != "none" and cfg.rollout.native_lora:

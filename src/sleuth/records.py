@@ -73,6 +73,10 @@ class AnswerPart:
     value_start: int | None = None
     """Where the answer itself begins, after its label (`C. `); None: at start. The tokens of
     text[value_start:end] are the ones algorithm.loss_on=answers trains on."""
+    format_score: float | None = None
+    """This answer's own format score in [0, 1] (Temporal Clue: 1.0 when it names one of the
+    question's listed choices, right or wrong); None: the task has none. With
+    algorithm.format_reward it joins the answer's reward under per-answer credit (credit.py)."""
 
 
 @dataclass

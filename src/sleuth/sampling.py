@@ -29,8 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sleuth.config import Config
-from sleuth.credit import assign_answer_credit, has_signal, mask_to_answers
-from sleuth.errors import ConfigError
+from sleuth.credit import assign_answer_credit, has_signal, locates_answers, mask_to_answers
 from sleuth.metrics import prefixed
 from sleuth.models import encode_chat
 from sleuth.progress import Progress
@@ -75,11 +74,14 @@ def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float) 
     return -penalty * min(length - (max_tokens - buffer), buffer) / buffer
 
 
-def check_format_reward(cfg: Config, task: Task) -> None:
-    """algorithm.format_reward needs a task that has a format score: a one-line error at start-up."""
+def check_format_reward(cfg: Config, task: Task) -> str | None:
+    """A start-up note when algorithm.format_reward is set for a task without a format score: the
+    term is then 0 for it. The embedded default sets it for Temporal Clue, and a run that only
+    changes task.name should still start, saying what it skips."""
     if cfg.algorithm.format_reward and type(task).format_score is Task.format_score:
-        raise ConfigError(f"algorithm.format_reward={cfg.algorithm.format_reward:g}: task {cfg.task.name!r} has "
-                          "no format score (Task.format_score); set algorithm.format_reward=0")
+        return (f"algorithm.format_reward={cfg.algorithm.format_reward:g}: task {cfg.task.name!r} has no format "
+                "score (Task.format_score), so no format term is added; set algorithm.format_reward=0 to say so")
+    return None
 
 
 def mask_truncated(group: Group) -> Group:
@@ -212,8 +214,9 @@ class Sampler:
                     c.reward_info["format_reward"] = f
                     c.reward += f
         with_adv, _ = compute_advantages(groups, algo.advantage, drop_zero=False)
-        if algo.credit == "answer":
-            metrics.update(assign_answer_credit(with_adv, task, algo.advantage, self.tokenizer))
+        if algo.credit == "answer" and locates_answers(task):
+            metrics.update(assign_answer_credit(with_adv, task, algo.advantage, self.tokenizer,
+                                                algo.format_reward))
         if algo.loss_on == "answers":
             metrics.update(mask_to_answers(with_adv, task, self.tokenizer))
         for g, rewards in zip(groups, verifier_rewards, strict=True):  # keep the verifier's reward visible

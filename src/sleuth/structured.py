@@ -67,7 +67,11 @@ def check_structured_output(cfg: Config, task: Task, engine_kind: str) -> None:
 
 
 def constrained(sampling: SamplingParams, task: Task, problem: Problem, enabled: bool) -> SamplingParams:
-    """`sampling` with the problem's answer pattern as its regex when structured output is on."""
+    """`sampling` for one problem: the task's stop strings for it added, and the problem's answer
+    pattern as its regex when structured output is on."""
+    stops = [s for s in task.stop_strings(problem) if s not in sampling.stop]
+    if stops:
+        sampling = replace(sampling, stop=(*sampling.stop, *stops))
     if not enabled:
         return sampling
     pattern = task.answer_pattern(problem)

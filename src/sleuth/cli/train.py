@@ -88,8 +88,9 @@ def dry_run(cfg: Any) -> list[str]:
     from sleuth.credit import check_credit
     from sleuth.sampling import check_format_reward
 
-    check_format_reward(cfg, task)
-    check_credit(cfg, task)
+    for note in (check_format_reward(cfg, task), check_credit(cfg, task)):
+        if note:
+            print(f"sleuth: note: {note}", file=sys.stderr)
     from sleuth.rollout.factory import engine_kind
     from sleuth.structured import check_structured_output
 

@@ -42,6 +42,11 @@ class Task(ABC):
         Runs in the trainer's process: must be cheap and must not raise."""
         return None
 
+    def stop_strings(self, problem: Problem) -> list[str]:
+        """Strings that end a completion of `problem` (kept in its text), besides rollout.stop: where
+        its answer is complete. Applied in training and evaluation alike; none by default."""
+        return []
+
     def answer_pattern(self, problem: Problem) -> str | None:
         """A regular expression every well-formed answer to `problem` matches, for structured
         output (rollout.structured_output: the engine samples only completions that match it);

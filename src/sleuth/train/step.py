@@ -4,13 +4,16 @@
                       max_tokens=cfg.rollout.max_tokens)
     metrics = trainer.step(groups)     # groups with advantages (see advantages.py)
 
-A step packs the groups into rows (packing.py), then runs epochs_per_iteration optimizer steps,
-each accumulating gradients over every row. Per-token loss weights come from global counts
-computed before any backward pass, so the update does not depend on the row split.
+A step splits the groups into trainer.mini_batches mini-batches, packs each into rows
+(packing.py), then makes epochs_per_iteration passes; each pass takes one optimizer step per
+mini-batch, accumulating gradients over its rows. Per-token loss weights come from the
+mini-batch's counts computed before any backward pass, so the update does not depend on the row split.
 
-The trainer's "old" logprobs (the PPO ratio's denominator and the TIS numerator) are the first
-epoch's own logprobs, detached: before the first update the parameters are exactly those that
-were current when the batch arrived, so no extra forward pass is needed.
+The trainer's "old" logprobs (the PPO ratio's denominator and the TIS numerator) are each
+mini-batch's own first-pass logprobs, detached: no extra forward pass is needed. For the first
+mini-batch these are the weights that sampled it (up to engine rounding); a later one was sampled
+before the earlier mini-batches' steps, and the truncated IS weight min(exp(old - engine), cap)
+reweights its tokens from the behaviour policy to these (decoupled PPO, as with loop.max_staleness).
 """
 
 from __future__ import annotations
@@ -71,6 +74,18 @@ class _PassCache:
     ref: list[torch.Tensor] = field(default_factory=list)
 
 
+def split_mini_batches(groups: list[Group], n: int) -> list[list[Group]]:
+    """The groups in order, cut into min(n, len(groups)) runs whose sizes differ by at most one."""
+    n = max(1, min(n, len(groups)))
+    size, extra = divmod(len(groups), n)
+    out, begin = [], 0
+    for i in range(n):
+        end = begin + size + (i < extra)
+        out.append(groups[begin:end])
+        begin = end
+    return out
+
+
 class Trainer:
     """Optimizer, schedule and the packed policy-gradient step for one Policy.
 
@@ -94,7 +109,8 @@ class Trainer:
         if algorithm_cfg.kl_beta > 0 and not policy.has_reference:
             raise UserError("algorithm.kl_beta > 0 needs a policy built with need_reference=True")
         self.params = policy.trainable_parameters()
-        total_opt = total_steps * trainer_cfg.epochs_per_iteration if total_steps is not None else None
+        per_iteration = trainer_cfg.epochs_per_iteration * trainer_cfg.mini_batches
+        total_opt = total_steps * per_iteration if total_steps is not None else None
         self.optimizer, self.scheduler = build_optimizer(self.params, trainer_cfg, total_opt)
         self.step_count = 0
         """Completed calls of step() (iterations)."""
@@ -129,15 +145,16 @@ class Trainer:
     # ------------------------------------------------------------------ the step
 
     def step(self, groups: list[Group], on_row: Callable[[int, int], None] | None = None) -> dict[str, float]:
-        """One iteration's update (epochs_per_iteration optimizer steps) over all groups.
+        """One iteration's update over all groups: epochs_per_iteration passes of one optimizer
+        step per mini-batch.
 
         `on_row(done, total)` is called after each packed row's backward pass (for a progress bar;
         total = rows x epochs).
 
-        Returns METRIC_KEYS (loss, clip fractions and grad norm averaged over the epochs; kl, entropy
-        and TIS statistics as token means of the first epoch; kl is 0 when kl_beta is 0, where it is
-        not computed), plus self_check_max_diff / self_check_mean_diff on the step that ran it.
-        An empty list (every group dropped) makes no update and returns skipped=1.
+        Returns METRIC_KEYS (loss, clip fractions and grad norm averaged over the optimizer steps;
+        kl, entropy and TIS statistics as token means of the first pass; kl is 0 when kl_beta is 0,
+        where it is not computed), plus self_check_max_diff / self_check_mean_diff on the step that
+        ran it. An empty list (every group dropped) makes no update and returns skipped=1.
         """
         start = time.perf_counter()
         self.step_count += 1
@@ -146,41 +163,47 @@ class Trainer:
             empty.update({"skipped": 1.0, "lr": self.scheduler.get_last_lr()[0],
                           "peak_mem_gb": peak_memory_gb(self.policy.device)})
             return empty
-        batch = pack_groups(groups, self.cfg.row_tokens, pad_to_multiple=self._pad_multiple())
+        parts = split_mini_batches(groups, self.cfg.mini_batches)
+        batches = [pack_groups(part, self.cfg.row_tokens, pad_to_multiple=self._pad_multiple()) for part in parts]
         metrics: dict[str, float] = {}
         if not self.self_checked:
-            metrics.update(self.self_check(groups, batch))
+            metrics.update(self.self_check(parts[0], batches[0]))
             self.self_checked = True
-        cache = _PassCache()
+        caches = [_PassCache() for _ in batches]
         epochs = self.cfg.epochs_per_iteration
+        n_rows = sum(len(b.rows) for b in batches)
+        n_tok = sum(b.n_completion_tokens for b in batches)
         acc = dict.fromkeys(("loss", "clip_frac_low", "clip_frac_high", "grad_norm"), 0.0)
-        skipped = 0
+        first = dict.fromkeys(("kl", "entropy", "tis_weight_mean", "tis_capped_frac"), 0.0)
+        skipped = done = 0
         for epoch in range(epochs):
-            self.optimizer.zero_grad(set_to_none=True)
-            done = epoch * len(batch.rows)
-            stats = self._pass(batch, cache, first=epoch == 0,
-                               on_row=None if on_row is None else
-                               lambda r, done=done: on_row(done + r, epochs * len(batch.rows)))
-            finite = math.isfinite(stats["loss"])
-            grad_norm = self._clip_grad_norm() if finite else math.nan
-            if finite and math.isfinite(grad_norm):
-                self.optimizer.step()
-                self.scheduler.step()
-            else:  # a non-finite loss or gradient: no update, counted in the metrics
-                skipped += 1
-            self.optimizer.zero_grad(set_to_none=True)
-            for key in ("loss", "clip_frac_low", "clip_frac_high"):
-                acc[key] += stats[key]
-            acc["grad_norm"] += grad_norm
-            if epoch == 0:
-                metrics.update({k: stats[k] for k in ("kl", "entropy", "tis_weight_mean", "tis_capped_frac")})
-        n_tok = batch.n_completion_tokens
-        beta = self.algo.kl_beta
+            for batch, cache in zip(batches, caches, strict=True):
+                self.optimizer.zero_grad(set_to_none=True)
+                stats = self._pass(batch, cache, first=epoch == 0,
+                                   on_row=None if on_row is None else
+                                   lambda r, done=done: on_row(done + r, epochs * n_rows))
+                done += len(batch.rows)
+                finite = math.isfinite(stats["loss"])
+                grad_norm = self._clip_grad_norm() if finite else math.nan
+                if finite and math.isfinite(grad_norm):
+                    self.optimizer.step()
+                    self.scheduler.step()
+                else:  # a non-finite loss or gradient: no update, counted in the metrics
+                    skipped += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                for key in ("loss", "clip_frac_low", "clip_frac_high"):
+                    acc[key] += stats[key]
+                acc["grad_norm"] += grad_norm
+                if epoch == 0:  # token means of the mini-batch -> of the whole batch
+                    for key in first:
+                        first[key] += stats[key] * batch.n_completion_tokens / n_tok
+        updates = epochs * len(batches)
         elapsed = time.perf_counter() - start
-        metrics.update({k: v / epochs for k, v in acc.items()})
-        metrics.update(self._throughput(batch, elapsed, epochs, beta > 0))
+        metrics.update(first)
+        metrics.update({k: v / updates for k, v in acc.items()})
+        metrics.update(self._throughput(batches, elapsed, epochs, self.algo.kl_beta > 0))
         metrics.update({
-            "skipped": float(skipped), "rows": float(len(batch.rows)), "sequences": float(batch.n_seqs),
+            "skipped": float(skipped), "rows": float(n_rows), "sequences": float(sum(b.n_seqs for b in batches)),
             "completion_tokens": float(n_tok), "lr": self.scheduler.get_last_lr()[0], "step_time_s": elapsed,
         })
         return metrics
@@ -278,17 +301,19 @@ class Trainer:
         out.update({"loss": loss_sum, "clip_frac_low": low / n_tok, "clip_frac_high": high / n_tok})
         return out
 
-    def _throughput(self, batch: PackedBatch, elapsed: float, epochs: int, with_ref: bool) -> dict[str, float]:
+    def _throughput(self, batches: list[PackedBatch], elapsed: float, epochs: int, with_ref: bool) -> dict[str, float]:
         dev = self.policy.device
         if self.peak_flops is None:
             self.peak_flops = measure_matmul_flops(self.policy.compute_dtype, dev, n=512) * self.world_size
+        n_tokens = sum(b.n_tokens for b in batches)
+        n_completion = sum(b.n_completion_tokens for b in batches)
         # 6 FLOPs per parameter and token for forward + backward; the reference adds a forward (2).
         per_token = 6 + (2 if with_ref else 0)
-        flops = per_token * (self._body_params * batch.n_tokens + self._head_params * batch.n_completion_tokens)
+        flops = per_token * (self._body_params * n_tokens + self._head_params * n_completion)
         flops *= epochs
         return {
-            "tokens": float(batch.n_tokens),
-            "tokens_per_s": batch.n_tokens * epochs / elapsed,
+            "tokens": float(n_tokens),
+            "tokens_per_s": n_tokens * epochs / elapsed,
             "mfu": flops / elapsed / self.peak_flops,
             "peak_mem_gb": peak_memory_gb(dev),
         }

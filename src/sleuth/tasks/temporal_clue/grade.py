@@ -219,11 +219,13 @@ def _fraction_answered(accepted: Iterable[tuple[str, Sequence[str]]], completion
     return hits / len(items)
 
 
-def answer_parts(solution: Mapping[str, str], completion: str) -> list[AnswerPart]:
+def answer_parts(solution: Mapping[str, str], completion: str,
+                 choices: Mapping[str, Sequence[str]] | None = None) -> list[AnswerPart]:
     """Each answer the grader reads from a line of its own (`C. Library`), with that line's span and
-    its own reward (1.0 right, 0.0 wrong): per-answer credit (credit.py). An answer the grader
-    reads from a line holding several markers, or not from its last line of its own, has no part
-    (its tokens keep the completion's advantage). Never raises."""
+    its own reward (1.0 right, 0.0 wrong): per-answer credit (credit.py). With `choices` (letter ->
+    its listed answers) each part's format_score is 1.0 when it names one of them, else 0.0. An
+    answer the grader reads from a line holding several markers, or not from its last line of its
+    own, has no part (its tokens keep the completion's advantage). Never raises."""
     if not isinstance(completion, str) or not solution:
         return []
     truths = {str(letter).upper(): str(truth) for letter, truth in solution.items()}
@@ -245,7 +247,9 @@ def answer_parts(solution: Mapping[str, str], completion: str) -> list[AnswerPar
         answer = completion[value_start:end]
         if letter in given and given[letter].rstrip() == answer.rstrip():
             reward = 1.0 if answer_matches(answer, truths[letter]) else 0.0
-            parts.append(AnswerPart(letter, begin, end, reward, value_start=value_start))
+            listed = None if choices is None else [str(c) for c in choices.get(letter, ())]
+            fmt = None if listed is None else float(any(answer_matches(answer, c) for c in listed))
+            parts.append(AnswerPart(letter, begin, end, reward, value_start=value_start, format_score=fmt))
     return sorted(parts, key=lambda p: p.start)
 
 

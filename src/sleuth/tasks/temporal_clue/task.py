@@ -147,8 +147,9 @@ class TemporalClueTask(Task):
         return grade(problem.answer, completion)
 
     def answer_parts(self, problem: Problem, completion: str) -> list[AnswerPart] | None:
-        """Each answer on a line of its own, with its own reward (per-answer credit)."""
-        return answer_parts(problem.answer, completion)
+        """Each answer on a line of its own, with its own reward (per-answer credit) and, when the
+        puzzle lists its choices, its own format score (a listed choice or not)."""
+        return answer_parts(problem.answer, completion, problem.metadata.get("choices"))
 
     def answer_key(self, problem: Problem, completion: str) -> tuple[tuple[str, str], ...] | None:
         """maj@k votes on the whole answer sheet (every question's answer), not on the raw text."""
@@ -160,6 +161,13 @@ class TemporalClueTask(Task):
         if not choices:
             return None
         return valid_fraction({q: choices[q] for q in problem.answer if q in choices}, completion)
+
+    def stop_strings(self, problem: Problem) -> list[str]:
+        """With task.stop_after_sheet: the start of the line of the question after the last one."""
+        letters = [q for q in problem.answer if len(q) == 1 and "A" <= q < "Z"]
+        if not self.cfg.stop_after_sheet or not letters:
+            return []
+        return [f"\n{chr(ord(max(letters)) + 1)}."]
 
     def answer_pattern(self, problem: Problem) -> str | None:
         """The answer sheet: one line per question, in order, `A. <one of its choices>` (None without choices)."""
