@@ -68,6 +68,8 @@ def test_dry_run_rejects_bad_inputs(tiny, tmp_path, capsys, monkeypatch):
         (["train", "configs/aime-lora.yaml", f"model.path={tiny}", "task.eval_path=/no/such.jsonl",
           "--dry-run"], "cannot read math problem file /no/such.jsonl"),
         (["train", "--dry-run", "algorithm.format_reward=-1"], "algorithm.format_reward"),
+        (["train", "--dry-run", "trainer.mini_batches=0"], "trainer.mini_batches"),
+        (["train", "--dry-run", "task.stop_after_sheet=maybe"], "task.stop_after_sheet"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv
