@@ -26,7 +26,6 @@ from sleuth import fsio
 from sleuth.budget import FINAL_EVAL_MARGIN, TimeBudget
 from sleuth.checkpoint import CheckpointManager
 from sleuth.config import Config, dump_config
-from sleuth.credit import check_credit
 from sleuth.curriculum import Curriculum, parse_schedule
 from sleuth.errors import ConfigError, UserError
 from sleuth.evaluate import EvalResult, eval_sampling, evaluate, evaluate_episodes
@@ -37,7 +36,7 @@ from sleuth.overlap import RolloutQueue, drop_stale
 from sleuth.progress import Progress
 from sleuth.records import Group, Problem, SamplingParams
 from sleuth.rollout.base import RolloutEngine
-from sleuth.sampling import Sampler, check_format_reward
+from sleuth.sampling import Sampler, print_shaping_notes
 from sleuth.scoring import VerifierRunner, mean_se
 from sleuth.seeds import derive_seed
 from sleuth.structured import check_structured_output
@@ -167,9 +166,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
         cluster, placement = start_cluster(cfg.cluster)
     seed_everything(cfg.loop.seed, 0, cfg.loop.deterministic)
     task = build_task(cfg.task)
-    for note in (check_format_reward(cfg, task), check_credit(cfg, task)):
-        if note:
-            print(f"sleuth: note: {note}", file=sys.stderr)
+    print_shaping_notes(cfg, task)
     check_structured_output(cfg, task, engine_kind(cfg.rollout))
     eval_problems = list(task.eval_problems())[: cfg.task.eval_size] if cfg.loop.evaluate else []
     if cfg.model.quantization != "none" and cfg.rollout.native_lora:

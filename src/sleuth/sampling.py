@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sleuth.config import Config
-from sleuth.credit import assign_answer_credit, has_signal, locates_answers, mask_to_answers
+from sleuth.credit import assign_answer_credit, check_credit, has_signal, locates_answers, mask_to_answers
 from sleuth.metrics import prefixed
 from sleuth.models import encode_chat
 from sleuth.progress import Progress
@@ -82,6 +82,14 @@ def check_format_reward(cfg: Config, task: Task) -> str | None:
         return (f"algorithm.format_reward={cfg.algorithm.format_reward:g}: task {cfg.task.name!r} has no format "
                 "score (Task.format_score), so no format term is added; set algorithm.format_reward=0 to say so")
     return None
+
+
+def print_shaping_notes(cfg: Config, task: Task) -> None:
+    """Start-up (and --dry-run): one `sleuth: note:` line for each reward-shaping setting the task
+    cannot use (check_format_reward, credit.check_credit); check_credit's errors propagate."""
+    for note in (check_format_reward(cfg, task), check_credit(cfg, task)):
+        if note:
+            print(f"sleuth: note: {note}", file=sys.stderr)
 
 
 def mask_truncated(group: Group) -> Group:

@@ -85,12 +85,9 @@ def dry_run(cfg: Any) -> list[str]:
     if cfg.model.lora.enabled and converted(cfg.model.path):  # its modules, from config.json alone
         check_lora_targets(model_skeleton(resolve_model_path(cfg.model.path)), cfg.model.lora.target_modules)
     task = build_task(cfg.task)
-    from sleuth.credit import check_credit
-    from sleuth.sampling import check_format_reward
+    from sleuth.sampling import print_shaping_notes
 
-    for note in (check_format_reward(cfg, task), check_credit(cfg, task)):
-        if note:
-            print(f"sleuth: note: {note}", file=sys.stderr)
+    print_shaping_notes(cfg, task)
     from sleuth.rollout.factory import engine_kind
     from sleuth.structured import check_structured_output
 
