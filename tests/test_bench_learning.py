@@ -39,8 +39,12 @@ def test_every_arm_is_a_valid_config_over_the_default():
         assert cfg.loop.seed == 1, name
     kl = load_config(default_config_path(), learning.ARMS["kl"])
     assert kl.algorithm.kl_beta == 0.04 and kl.trainer.lr == load_config(default_config_path()).trainer.lr
-    # `earlier` is the embedded default before `sheet`'s levers became it; `sheet` is the default now.
+    # `earlier` is the embedded default before `sheet`'s levers became it; `sheet` the default before
+    # LoRA went to the last 15 layers (`top`, the default now).
     earlier = load_config(default_config_path(), learning.ARMS["earlier"])
     assert (earlier.algorithm.credit, earlier.algorithm.format_reward, earlier.trainer.mini_batches,
             earlier.task.stop_after_sheet) == ("sequence", 0.0, 1, False)
-    assert load_config(default_config_path(), learning.ARMS["sheet"]) == load_config(default_config_path())
+    sheet = load_config(default_config_path(), learning.ARMS["sheet"])
+    assert sheet.model.lora.last_layers is None and earlier.model.lora.last_layers is None
+    assert load_config(default_config_path(), learning.ARMS["top"]) == load_config(default_config_path())
+    assert sheet == load_config(default_config_path(), ["model.lora.last_layers=null"])

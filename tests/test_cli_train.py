@@ -70,6 +70,7 @@ def test_dry_run_rejects_bad_inputs(tiny, tmp_path, capsys, monkeypatch):
         (["train", "--dry-run", "algorithm.format_reward=-1"], "algorithm.format_reward"),
         (["train", "--dry-run", "trainer.mini_batches=0"], "trainer.mini_batches"),
         (["train", "--dry-run", "task.stop_after_sheet=maybe"], "task.stop_after_sheet"),
+        (["train", "--dry-run", "model.lora.last_layers=0"], "model.lora.last_layers"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv

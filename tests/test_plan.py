@@ -7,6 +7,7 @@ import pytest
 from sleuth.cluster.plan import ModelShape, describe, trainer_memory
 from sleuth.cluster.runtime import Node
 from sleuth.config import load_config
+from sleuth.models import layer_linear_names
 from sleuth.testing.tiny_model import write_tiny_model
 
 QWEN_14B = {"model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 48,
@@ -28,6 +29,11 @@ def test_counts_match_the_model_and_its_lora_adapter(tiny):
     assert shape.params() == sum(p.numel() for p in model.parameters())
     peft = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
     assert shape.lora_params(4, "all-linear") == sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    base = AutoModelForCausalLM.from_pretrained(tiny)
+    top = get_peft_model(base, LoraConfig(r=4, target_modules=layer_linear_names(base),
+                                          layers_to_transform=[shape.layers - 1]))
+    assert shape.lora_params(4, "all-linear", 1) == sum(p.numel() for p in top.parameters() if p.requires_grad)
+    assert shape.lora_params(4, "all-linear", 99) == shape.lora_params(4, "all-linear")
 
 
 def test_qwen_14b_count_is_the_published_one(tmp_path):

@@ -28,7 +28,7 @@ def perturb(policy: Policy, seed: int = 0) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in policy.trainable_parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+            p.add_(0.1 * torch.randn(p.shape, generator=gen).to(p.device))
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
@@ -116,6 +116,43 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_dir: Path) -> None
         grads.append([p.grad.clone() for p in policy.trainable_parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_last_layers_adapts_only_the_top_layers_and_backward_stops_below(tiny_dir: Path, caplog) -> None:
+    """model.lora.last_layers=1 on the 2-layer model: LoRA on layer 1 alone (no frozen-weight
+    warning for layer 0), layer 0 runs forward without autograd, and with the same layer-1 adapter
+    (and a zero layer-0 update in the all-layer one) the gradients equal the all-layer adapter's."""
+    group = Group(Problem("p", [], None), [5, 9, 11],
+                  [Completion([5, 9, 11], [60, 61, 62], [-1.0] * 3, "stop", ""),
+                   Completion([5, 9, 11], [70], [-1.0], "stop", "")], [1.0, -1.0])
+    (row,) = pack_groups([group], 64).rows
+    with caplog.at_level("WARNING"):
+        every, top = (Policy.from_config(ModelConfig(path=str(tiny_dir), dtype="float32", lora=LoraConfig(
+            enabled=True, rank=4, last_layers=last)), need_reference=False) for last in (None, 1))
+    assert "frozen" not in caplog.text
+    perturb(every)
+    named = dict(every.model.named_parameters())
+    with torch.no_grad():
+        for n, p in named.items():
+            if ".layers.0." in n and "lora_B" in n:
+                p.zero_()
+        for n, p in top.model.named_parameters():
+            if p.requires_grad:
+                p.copy_(named[n])
+    needs_grad = []
+    layer0 = top.causal_lm.model.layers[0]
+    layer0.register_forward_hook(lambda m, i, o: needs_grad.append((o[0] if isinstance(o, tuple) else o).requires_grad))
+    grads = []
+    for policy in (every, top):
+        logp, _ = policy.row_logprobs(row)
+        (logp * row.advantages.to(logp.device)).sum().backward()
+        grads.append({n: p.grad for n, p in policy.model.named_parameters() if p.requires_grad})
+    assert needs_grad == [False]
+    assert {n.split(".layers.")[1].split(".")[0] for n in grads[0]} == {"0", "1"}
+    assert {n.split(".layers.")[1].split(".")[0] for n in grads[1]} == {"1"}
+    assert all(grads[1][n].abs().sum() > 0 for n in grads[1])
+    for n, g in grads[1].items():
+        torch.testing.assert_close(g, grads[0][n], rtol=1e-5, atol=1e-7)
 
 
 def test_missing_model_folder_is_a_user_error(tmp_path: Path) -> None:

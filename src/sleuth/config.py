@@ -107,6 +107,10 @@ class LoraConfig(Section):
     """Dropout on the LoRA input."""
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """Module names to adapt, or "all-linear" for every linear layer except the output head."""
+    last_layers: int | None = Field(None, ge=1)
+    """Adapt only the last N decoder layers (PEFT's layers_to_transform, counted from the top so
+    it fits any depth); None: every layer. The layers below the first adapted one have nothing to
+    train, so the backward pass stops there and keeps none of their activations."""
     dtype: Literal["float32", "base"] = "float32"
     """Adapter weights in float32 (PEFT's default: exact small updates, but on a bf16 base every
     adapted layer casts its input, thousands of extra kernels per GPU step) or in the base model's

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,25 @@ def check_lora_targets(model: Any, targets: list[str] | str) -> None:
                              if type(m).__name__ == "Linear"})
             raise UserError(f"model.lora.target_modules: '{target}' is not a module of the model "
                             f"(its linear layers: {', '.join(linear)})")
+
+
+def lora_layer_indices(model: Any, last_layers: int | None) -> list[int] | None:
+    """The decoder-layer indices model.lora.last_layers adapts (PEFT's layers_to_transform), or
+    None for every layer; more than the model has means all of them."""
+    if last_layers is None:
+        return None
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n = int(config.num_hidden_layers)
+    return list(range(max(n - last_layers, 0), n))
+
+
+def layer_linear_names(model: Any) -> list[str]:
+    """The names (last part) of the linear modules inside numbered layers: what "all-linear" adapts
+    there, spelled out for PEFT, which takes layers_to_transform only with a list of targets."""
+    import torch
+
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and re.search(r"\.\d+\.", name)})
 
 
 def load_tokenizer(path_or_alias: str) -> Any:

@@ -114,9 +114,10 @@ class ModelShape:
             return linear * 1.0 + (embed + rest) * dtype_bytes
         return linear * NF4_BYTES + embed * NF4_TABLE_BYTES + rest * dtype_bytes
 
-    def lora_params(self, rank: int, targets: list[str] | str) -> int:
+    def lora_params(self, rank: int, targets: list[str] | str, last_layers: int | None = None) -> int:
         chosen = [(a, b) for name, (a, b) in self.linears().items() if targets == "all-linear" or name in targets]
-        return self.layers * sum(rank * (a + b) for a, b in chosen)
+        layers = self.layers if last_layers is None else min(last_layers, self.layers)
+        return layers * sum(rank * (a + b) for a, b in chosen)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
@@ -126,7 +127,7 @@ def trainer_memory(cfg: Config, shape: ModelShape, world: int) -> dict[str, floa
     """GiB per trainer rank: params, grads, optimizer, activations (and total)."""
     b = dtype_bytes(cfg)
     lora = cfg.model.lora
-    trained = shape.lora_params(lora.rank, lora.target_modules) if lora.enabled else shape.params()
+    trained = shape.lora_params(lora.rank, lora.target_modules, lora.last_layers) if lora.enabled else shape.params()
     frozen_copy = shape.params() if cfg.algorithm.kl_beta > 0 and not lora.enabled else 0
     gathered = shape.layer_params() * b if world > 1 else 0  # one layer unsharded during its compute
     base = shape.base_bytes(b, cfg.model.quantization)

@@ -27,7 +27,7 @@ import torch
 
 from sleuth.config import ModelConfig
 from sleuth.errors import UserError
-from sleuth.models import check_lora_targets
+from sleuth.models import check_lora_targets, layer_linear_names, lora_layer_indices
 from sleuth.records import LoraAdapter
 from sleuth.train.attention import attention_kwargs, backend_for
 from sleuth.train.logprobs import token_logprobs
@@ -88,13 +88,15 @@ class Policy:
 
             lora = model_cfg.lora
             check_lora_targets(model, lora.target_modules)
+            layers = lora_layer_indices(model, lora.last_layers)
+            targets = layer_linear_names(model) if layers and lora.target_modules == "all-linear" else lora.target_modules
             peft_cfg = PeftLoraConfig(
                 r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                target_modules=lora.target_modules, task_type="CAUSAL_LM",
+                target_modules=targets, task_type="CAUSAL_LM", layers_to_transform=layers,
             )
             model = get_peft_model(model, peft_cfg, autocast_adapter_dtype=lora.dtype == "float32")
             keep_inputs_in_base_dtype(model)  # no float32 copies of bf16 inputs kept for backward
-            _note_unadapted(model)
+            _note_unadapted(model, layers)
         else:
             if need_reference:
                 self._reference_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -416,11 +418,15 @@ def _torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[resolve_dtype(name)]
 
 
-def _note_unadapted(model: Any) -> None:
-    """Log the weight matrices of the decoder layers that LoRA leaves frozen: those PEFT cannot
-    wrap (GPT-OSS's fused experts and router are neither nn.Linear nor recognised expert stacks).
-    Every adapted parameter sits under a `.base_layer.` (a LoRA linear or a ParamWrapper)."""
+def _note_unadapted(model: Any, layers: list[int] | None = None) -> None:
+    """Log the weight matrices of the (chosen) decoder layers that LoRA leaves frozen: those PEFT
+    cannot wrap (GPT-OSS's fused experts and router are neither nn.Linear nor recognised expert
+    stacks). Every adapted parameter sits under a `.base_layer.` (a LoRA linear or a ParamWrapper)."""
+    def chosen(name: str) -> bool:
+        index = re.search(r"\.layers\.(\d+)\.", name)
+        return index is not None and (layers is None or int(index.group(1)) in layers)
+
     skipped = sorted({re.sub(r"\.\d+\.", ".N.", n) for n, p in model.named_parameters()
-                      if p.dim() >= 2 and not p.requires_grad and ".layers." in n and ".base_layer." not in n})
+                      if p.dim() >= 2 and not p.requires_grad and chosen(n) and ".base_layer." not in n})
     if skipped:
         log.warning("LoRA leaves these weights frozen (PEFT cannot wrap them): %s", ", ".join(skipped))
