@@ -93,12 +93,10 @@ _OVER_SHEET: dict[str, list[str]] = {
     # of the 15 minutes of every `sheet` seed (listed choices on 14% of answer lines at the start,
     # 70-100% at the end), so a format term as large as a right answer's ...
     "format_1": ["algorithm.format_reward=1.0"],
-    # ... and with it LoRA on the last 15 of the 30 layers (model.lora.last_layers): the backward
-    # pass stops halfway down, the default's step 20.8 -> 13.7 s (bench/lora_layers.py), so more
-    # iterations fit in the budget, each with half the adapter.
-    "format_1_top": ["algorithm.format_reward=1.0", "model.lora.last_layers=15"],
-    # format_1 did not hold over seeds (0.488 / 0.150 / 0.201, mean 0.280 against the default's
-    # 0.363): the last-15-layer adapter measured against the default itself instead.
+    # LoRA on the last 15 of the 30 layers (model.lora.last_layers): the backward pass stops
+    # halfway down, the default's step 20.8 -> 13.7 s (bench/lora_layers.py), so more iterations
+    # fit in the budget, each with half the adapter. (Planned with format_1 underneath; format_1
+    # did not hold over seeds, 0.488 / 0.150 / 0.201, so measured over the default itself.)
     "top": ["model.lora.last_layers=15"],
 }
 ARMS: dict[str, list[str]] = {"default": [], **{name: [*EARLIER, *o] for name, o in _ARMS.items()},
