@@ -26,6 +26,7 @@ import time
 import torch
 
 from sleuth.config import AlgorithmConfig, LoraConfig, ModelConfig, TrainerConfig
+from sleuth.hardware import cpu_description
 from sleuth.records import Completion, Group, Problem
 from sleuth.train.packing import pack_groups
 from sleuth.train.policy import Policy
@@ -112,6 +113,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="float32 on CPUs without fast bf16 (AVX2)")
     a = ap.parse_args()
     torch.manual_seed(0)
+    print(f"# cpu: {cpu_description()}", flush=True)  # run alone, not as part 1 of bench/agent.py
     print(f"# threads={torch.get_num_threads()} dtype={a.dtype}", flush=True)
     r = run_tree_packing(a.model, tuple(a.modes.split(",")), a.reps, a.episodes, a.turns, a.row_tokens, a.dtype)
     print(f"tree_step_speedup={r['tree_step_speedup']:.2f} tree_token_ratio={r['tree_token_ratio']:.2f}")

@@ -99,10 +99,21 @@ _OVER_SHEET: dict[str, list[str]] = {
     # did not hold over seeds, 0.488 / 0.150 / 0.201, so measured over the default itself.)
     "top": ["model.lora.last_layers=15"],
 }
+_OVER_TOP: dict[str, list[str]] = {
+    # Over the `top` default (2026-12-04 evening), fixed before any was run: seed 1 settles on a
+    # room name on every line by iteration ~12 (token entropy 1.26 -> 0.10) and a line on which all
+    # eight samples agree has no advantage left, so an entropy bonus (verl's entropy_coeff,
+    # SkyRL's entropy_loss_coef; 0.01 is the latter's value) keeps the samples apart for longer.
+    "entropy": ["algorithm.entropy_coef=0.01"],
+    # On seed 1 that bonus held the entropy near 1 for 20 iterations without the format moving,
+    # then the entropy ran away (3-6.5, sheets running into max_tokens): a tenth of it.
+    "entropy_small": ["algorithm.entropy_coef=0.001"],
+}
 ARMS: dict[str, list[str]] = {"default": [], **{name: [*EARLIER, *o] for name, o in _ARMS.items()},
-                              **{name: [*SHEET, *o] for name, o in _OVER_SHEET.items()}}
-"""`default` is the embedded default as it is now; the arms of _OVER_SHEET change the `sheet`
-default, the others the earlier one."""
+                              **{name: [*SHEET, *o] for name, o in _OVER_SHEET.items()},
+                              **_OVER_TOP}
+"""`default` is the embedded default as it is now; the arms of _OVER_TOP change it, those of
+_OVER_SHEET the `sheet` default, the others the earlier one."""
 DEFAULT_ARMS = "default,sheet,earlier"
 
 

@@ -48,3 +48,9 @@ def test_every_arm_is_a_valid_config_over_the_default():
     assert sheet.model.lora.last_layers is None and earlier.model.lora.last_layers is None
     assert load_config(default_config_path(), learning.ARMS["top"]) == load_config(default_config_path())
     assert sheet == load_config(default_config_path(), ["model.lora.last_layers=null"])
+    # The entropy arms change only the bonus of the default they were measured over (`top`).
+    for arm, coef in (("entropy", 0.01), ("entropy_small", 0.001)):
+        cfg = load_config(default_config_path(), learning.ARMS[arm])
+        assert cfg.algorithm.entropy_coef == coef and load_config(default_config_path()).algorithm.entropy_coef == 0
+        assert cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"entropy_coef": 0.0})}) == \
+            load_config(default_config_path())

@@ -21,7 +21,7 @@ from test_step import make_policy, random_groups
 
 WORLD = 2
 ROW_TOKENS = 40
-ALGO = AlgorithmConfig(loss="ppo_clip", aggregation="token_mean", kl_beta=0.1, tis_cap=2.0)
+ALGO = AlgorithmConfig(loss="ppo_clip", aggregation="token_mean", kl_beta=0.1, tis_cap=2.0, entropy_coef=0.05)
 SEED = {True: 3, False: 4}
 
 

@@ -48,6 +48,48 @@ def test_chunked_logprobs_and_gradients_match_full_log_softmax(frozen_head: bool
     assert frozen_head == (head.weight.grad is None)
 
 
+@pytest.mark.parametrize("frozen_head,budget,masked", [(True, None, False), (False, 1 << 30, False),
+                                                      (False, 0, False), (True, None, True), (False, 0, True)],
+                         ids=["basis", "keep", "recompute", "basis_masked", "recompute_masked"])
+def test_entropy_gradient_matches_autograd(frozen_head: bool, budget: int | None, masked: bool,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """entropy_grad=True: the entropy is differentiable, and the hidden (and trained head)
+    gradients of a loss mixing logprobs and entropies equal autograd's through a full log-softmax
+    (over the allowed tokens when masked); the values are those of entropy_grad=False."""
+    if budget is not None:
+        monkeypatch.setattr(logprobs, "KEEP_BUDGET_BYTES", budget)
+    torch.manual_seed(3)
+    n, v = 11, 70
+    head = torch.nn.Linear(16, v, bias=False).requires_grad_(not frozen_head)
+    hidden = torch.randn(n, 16, requires_grad=True)
+    targets = torch.randint(0, v, (n,))
+    allowed = torch.rand(n, v) < 0.4
+    allowed[torch.arange(n), targets] = True
+    bitmask = pack_bits(allowed) if masked else None
+    up_logp, up_entropy = torch.randn(n), torch.randn(n)
+    logp, entropy = token_logprobs(hidden, head, targets, chunk=4, token_bitmask=bitmask, entropy_grad=True)
+    assert entropy.requires_grad
+    plain = token_logprobs(hidden, head, targets, chunk=4, token_bitmask=bitmask)
+    torch.testing.assert_close(logp, plain[0])
+    torch.testing.assert_close(entropy, plain[1])
+    logits = hidden @ head.weight.T
+    full = torch.log_softmax(logits.masked_fill(~allowed, float("-inf")) if masked else logits, -1)
+    want_logp = full.gather(-1, targets[:, None])[:, 0]
+    want_entropy = -(full.exp() * full.nan_to_num(neginf=0.0)).sum(-1)
+    torch.testing.assert_close(entropy, want_entropy)
+    ((logp * up_logp).sum() + (entropy * up_entropy).sum()).backward()
+    got = [hidden.grad.clone()] + ([] if frozen_head else [head.weight.grad.clone()])
+    hidden.grad = head.weight.grad = None
+    ((want_logp * up_logp).sum() + (want_entropy * up_entropy).sum()).backward(retain_graph=True)
+    want = [hidden.grad] + ([] if frozen_head else [head.weight.grad])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    # The entropy's share of the gradient is not negligible: without it the gradient differs.
+    hidden.grad = head.weight.grad = None
+    (want_logp * up_logp).sum().backward()
+    assert (got[0] - hidden.grad).norm() > 0.01 * got[0].norm()
+
+
 def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
     """[N, V] bool -> [N, ceil(V/32)] int32 in xgrammar's layout (bit j of word w: token 32w + j)."""
     n, v = allowed.shape

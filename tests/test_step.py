@@ -108,6 +108,9 @@ def naive_loss(policy: Policy, groups: list[Group], algo: AlgorithmConfig, max_t
 
             logp = logprobs(lm)
             n = logp.numel()
+            if algo.entropy_coef > 0:
+                full = torch.log_softmax(lm(input_ids=ids).logits[0, p - 1 : p - 1 + len(target)].float(), -1)
+                entropy = -(full.exp() * full).sum(-1)[keep]
             old_lp = old.get((gi, ci), logp.detach())
             adv = group.advantages[ci] if comp.token_advantages is None else torch.tensor(comp.token_advantages)[keep]
             if algo.loss == "ppo_clip":
@@ -123,6 +126,8 @@ def naive_loss(policy: Policy, groups: list[Group], algo: AlgorithmConfig, max_t
                 with torch.no_grad(), policy.reference() as ref_model:
                     ref = logprobs(ref_model)
                 tok = tok + algo.kl_beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+            if algo.entropy_coef > 0:
+                tok = tok - algo.entropy_coef * entropy
             if algo.aggregation == "token_mean":
                 total = total + tok.sum() / n_tokens
             elif algo.aggregation == "seq_mean_token_mean":
@@ -178,6 +183,25 @@ def test_packed_loss_and_gradients_equal_naive(lora: bool, loss: str, aggregatio
                            clip_low=0.05, clip_high=0.08)
     # A small row budget forces several rows, split groups and several groups per row.
     check_packed_equals_naive(policy, algo, random_groups(seed, n_groups=3, n_comp=4), 24, seed)
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_entropy_bonus_packed_equals_naive(lora: bool, aggregation: str) -> None:
+    """algorithm.entropy_coef: the packed loss and gradients, entropy term included, equal the
+    naive full-vocabulary ones (LoRA: the frozen head's entropy basis; full: the trained, tied head
+    recomputes its chunks), and the term changes the gradient."""
+    seed = 40 + lora + 2 * (aggregation == "token_mean")
+    policy = make_policy(lora, need_reference=True, seed=seed)
+    algo = AlgorithmConfig(aggregation=aggregation, kl_beta=0.1, tis_cap=2.0, clip_low=0.05, clip_high=0.08,
+                           entropy_coef=0.3)
+    groups = random_groups(seed, n_groups=3, n_comp=4)
+    check_packed_equals_naive(policy, algo, groups, 24, seed)
+    with_bonus = grads(policy)
+    policy.model.zero_grad()
+    check_packed_equals_naive(policy, algo.model_copy(update={"entropy_coef": 0.0}), groups, 24, seed)
+    without = grads(policy)
+    assert sum(float((a - b).norm()) for a, b in zip(with_bonus, without, strict=True)) > 1e-3
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])

@@ -258,6 +258,10 @@ class AlgorithmConfig(Section):
     """Upper clip: ratio <= 1 + clip_high (DAPO clip-higher)."""
     kl_beta: float = Field(0.0, ge=0)
     """Weight of the k3 KL estimate to the reference policy; 0 disables it (and the reference)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Weight of an entropy bonus: the loss subtracts entropy_coef x each completion token's
+    entropy (aggregated like the policy loss), which keeps a policy from collapsing onto one answer
+    before its groups disagree (verl's entropy_coeff); 0: off (the entropy is then only logged)."""
     aggregation: Literal["token_mean", "seq_mean_token_mean", "constant"] = "token_mean"
     """How token losses become one number: mean over all tokens of the batch, mean over sequences of
     per-sequence token means, or Dr.GRPO's sum divided by a constant (max_tokens x sequences)."""

@@ -19,6 +19,10 @@ tokens the grammar allowed at each position (bit j of word w: token 32w + j, xgr
 disallowed logits are set to a large negative number before the softmax, so logprobs, entropies
 and the gradient are the constrained policy's, the distribution the engine sampled from. A token
 the grammar forced has logprob 0 and no gradient.
+The entropies carry no gradient unless asked (`entropy_grad=True`, for algorithm.entropy_coef):
+d H_i / d logits_i = -p_i * (log p_i + H_i), so a frozen head saves a second [N, H] basis
+(p_i * (log p_i + H_i)) @ W in the forward pass, and a trained head recomputes its chunks in
+backward (keeping two vocabulary-sized tensors per chunk would halve what KEEP_BUDGET_BYTES holds).
 Precision: the logits, the log-softmax, logprobs and entropies are float32; the gradient matmuls
 run in the head's dtype (bf16 gradients, as in any bf16 training). Measured on SmolLM2-135M over
 1,500 tokens of English text: bf16 logits (rounded to 8 significant bits, then upcast) would move
@@ -61,10 +65,14 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int, targets: torch.Tensor) -> 
     return allowed
 
 
+_Stats = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
 def _softmax_stats(logits: torch.Tensor, targets: torch.Tensor, dlogits_dtype: torch.dtype | None = None,
-                   allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(logp [N], entropy [N], p - e_t [N, V] in dlogits_dtype or None) from float32 logits,
-    restricted to the `allowed` tokens [N, V] when given (constrained decoding).
+                   allowed: torch.Tensor | None = None, entropy_dir: bool = False) -> _Stats:
+    """(logp [N], entropy [N], p - e_t [N, V] in dlogits_dtype or None, p * (log p + H) [N, V] in
+    dlogits_dtype when `entropy_dir`, else None) from float32 logits, restricted to the `allowed`
+    tokens [N, V] when given (constrained decoding). The last is -(d entropy / d logits).
 
     Overwrites `logits`. Few passes over the vocabulary-sized buffer, since on CPU each pass costs
     about as much as a tenth of the lm_head matmul: shift by the row max in place, one exp into a
@@ -81,10 +89,13 @@ def _softmax_stats(logits: torch.Tensor, targets: torch.Tensor, dlogits_dtype: t
     dot = torch.bmm(exp[:, None, :], shifted[:, :, None])[:, 0]
     entropy = (log_total - dot / total)[:, 0]
     if dlogits_dtype is None:
-        return logp, entropy, None
+        return logp, entropy, None, None
     probs = exp.mul_(total.reciprocal())  # in place, then one cast (a dividing cast is 2x slower)
+    direction = None
+    if entropy_dir:  # log p + H = x - log Z + H, in the logits' buffer (not needed after this)
+        direction = shifted.sub_(log_total - entropy[:, None]).mul_(probs).to(dlogits_dtype)
     probs[torch.arange(targets.shape[0], device=targets.device), targets] -= 1.0
-    return logp, entropy, probs.to(dlogits_dtype)
+    return logp, entropy, probs.to(dlogits_dtype), direction
 
 
 KEEP_BUDGET_BYTES = 1 << 30
@@ -97,50 +108,64 @@ BASIS, KEEP, RECOMPUTE = "basis", "keep", "recompute"
 
 class _ChunkLogprobs(torch.autograd.Function):
     """(logp, entropy) of one chunk; `mode` says what backward works from (see the module doc):
-    BASIS (frozen head: the hidden-state gradient itself), KEEP (p - e_t) or RECOMPUTE."""
+    BASIS (frozen head: the hidden-state gradient itself), KEEP (p - e_t) or RECOMPUTE. The
+    entropy is differentiable only with `entropy_grad` (KEEP is then never chosen)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, weight_f32: torch.Tensor,
-                targets: torch.Tensor, mode: str, allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.mode = mode
+                targets: torch.Tensor, mode: str, allowed: torch.Tensor | None,
+                entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.mode, ctx.entropy_grad = mode, entropy_grad
         ctx.allowed = allowed  # no gradient: kept as an attribute for a recomputing backward
-        logp, entropy, probs = _softmax_stats(_logits(hidden, weight_f32), targets,
-                                              None if mode == RECOMPUTE else weight.dtype, allowed)
+        logp, entropy, probs, direction = _softmax_stats(
+            _logits(hidden, weight_f32), targets, None if mode == RECOMPUTE else weight.dtype, allowed,
+            entropy_dir=entropy_grad and mode == BASIS)
         if mode == BASIS:
             assert probs is not None
-            ctx.save_for_backward(probs @ weight)  # -(d logp / d hidden)
+            # -(d logp / d hidden), then -(d entropy / d hidden) when the entropy is trained
+            ctx.save_for_backward(probs @ weight, *([] if direction is None else [direction @ weight]))
         elif mode == KEEP:
             ctx.save_for_backward(hidden, weight, probs)
         else:
             ctx.save_for_backward(hidden, weight, weight_f32, targets)
-        ctx.mark_non_differentiable(entropy)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_logp: torch.Tensor, _grad_entropy: Any) -> tuple[Any, ...]:
+    def backward(ctx: Any, grad_logp: torch.Tensor, grad_entropy: torch.Tensor | None) -> tuple[Any, ...]:
+        with_entropy = ctx.entropy_grad and grad_entropy is not None
         if ctx.mode == BASIS:
-            (basis,) = ctx.saved_tensors
-            grad_hidden = (basis.float() * -grad_logp[:, None]).to(basis.dtype)
-            return grad_hidden, None, None, None, None, None
+            basis, *entropy_basis = ctx.saved_tensors
+            grad = basis.float() * -grad_logp[:, None]
+            if with_entropy:
+                grad -= entropy_basis[0].float() * grad_entropy[:, None]
+            return grad.to(basis.dtype), None, None, None, None, None, None
+        direction = None
         if ctx.mode == KEEP:
             hidden, weight, probs = ctx.saved_tensors
         else:
             hidden, weight, weight_f32, targets = ctx.saved_tensors
-            probs = _softmax_stats(_logits(hidden, weight_f32), targets, torch.float32, ctx.allowed)[2]
+            _, _, probs, direction = _softmax_stats(_logits(hidden, weight_f32), targets, torch.float32,
+                                                    ctx.allowed, entropy_dir=with_entropy)
         assert probs is not None
-        grad_logits = (probs * -grad_logp[:, None].to(probs.dtype)).to(weight.dtype)
+        grad_logits = probs * -grad_logp[:, None].to(probs.dtype)
+        if direction is not None:
+            grad_logits -= direction * grad_entropy[:, None]
+        grad_logits = grad_logits.to(weight.dtype)
         grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad_logits.T @ hidden.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def token_logprobs(
     hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, chunk: int = LOGIT_CHUNK,
-    token_bitmask: torch.Tensor | None = None,
+    token_bitmask: torch.Tensor | None = None, entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each target and the entropy of each predictive distribution, chunked.
 
-    hidden: [N, H] states that predict targets [N]. The entropy carries no gradient (it is logged).
+    hidden: [N, H] states that predict targets [N]. The entropy carries no gradient (it is logged)
+    unless `entropy_grad` (an entropy term in the loss).
     token_bitmask: [N, W] int32, the tokens allowed at each position (constrained decoding; see
     the module doc), or None for the unconstrained distribution.
     """
@@ -159,11 +184,11 @@ def token_logprobs(
             mode = BASIS
             if weight.requires_grad:
                 size = h.shape[0] * weight.shape[0] * weight.element_size()
-                mode = KEEP if kept + size <= KEEP_BUDGET_BYTES else RECOMPUTE
+                mode = KEEP if kept + size <= KEEP_BUDGET_BYTES and not entropy_grad else RECOMPUTE
                 kept += size if mode == KEEP else 0
-            lp, ent = _ChunkLogprobs.apply(h, weight, weight_f32, t, mode, allowed)
+            lp, ent = _ChunkLogprobs.apply(h, weight, weight_f32, t, mode, allowed, entropy_grad)
         else:
-            lp, ent, _ = _softmax_stats(_logits(h, weight_f32), t, allowed=allowed)  # no gradient buffer
+            lp, ent, _, _ = _softmax_stats(_logits(h, weight_f32), t, allowed=allowed)  # no gradient buffer
         logps.append(lp)
         entropies.append(ent)
     return torch.cat(logps), torch.cat(entropies)

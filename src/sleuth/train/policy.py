@@ -53,15 +53,17 @@ class RowLogprobs(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, predictor_index: torch.Tensor | None = None,
                 target_ids: torch.Tensor | None = None, token_bitmask: torch.Tensor | None = None,
-                **model_kwargs: Any) -> Any:
+                entropy_grad: bool = False, **model_kwargs: Any) -> Any:
         """(logprob, entropy) of `target_ids` predicted at `predictor_index` (under the grammar's
-        `token_bitmask` when given: constrained decoding); without targets the model's own full
-        forward and its logits (the self-check's reference)."""
+        `token_bitmask` when given: constrained decoding; the entropy differentiable with
+        `entropy_grad`); without targets the model's own full forward and its logits (the
+        self-check's reference)."""
         if target_ids is None or predictor_index is None:
             return self.lm(input_ids=input_ids, use_cache=False, **model_kwargs).logits
         out = self.lm.model(input_ids=input_ids, use_cache=False, **model_kwargs)
         hidden = out.last_hidden_state[0].index_select(0, predictor_index)
-        return token_logprobs(hidden, self.lm.get_output_embeddings(), target_ids, token_bitmask=token_bitmask)
+        return token_logprobs(hidden, self.lm.get_output_embeddings(), target_ids, token_bitmask=token_bitmask,
+                              entropy_grad=entropy_grad)
 
 
 class Policy:
@@ -164,17 +166,19 @@ class Policy:
 
     # ------------------------------------------------------------------ forward passes
 
-    def _row_forward(self, row_model: RowLogprobs, row: PackedRow) -> tuple[torch.Tensor, torch.Tensor]:
+    def _row_forward(self, row_model: RowLogprobs, row: PackedRow,
+                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         dev = self.device
         return row_model(
             row.input_ids.to(dev)[None], row.predictor_index.to(dev), row.target_ids.to(dev),
             token_bitmask=None if row.token_bitmask is None else row.token_bitmask.to(dev),
-            position_ids=row.position_ids.to(dev)[None], **attention_kwargs(row, self.attn_backend, dev),
+            entropy_grad=entropy_grad, position_ids=row.position_ids.to(dev)[None], **attention_kwargs(row, self.attn_backend, dev),
         )
 
-    def row_logprobs(self, row: PackedRow) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprob [N] with grad, entropy [N]) of every completion token of a packed row."""
-        return self._row_forward(self.row_model, row)
+    def row_logprobs(self, row: PackedRow, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprob [N] with grad, entropy [N], with grad too when `entropy_grad`) of every
+        completion token of a packed row."""
+        return self._row_forward(self.row_model, row, entropy_grad)
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[Any]:

@@ -257,7 +257,7 @@ class Trainer:
         loss_sum, low, high, done = 0.0, 0, 0, 0
         for r, micro_row in enumerate(self._micro_rows(batch)):
             row = self._empty_row() if micro_row is None else micro_row
-            logp, entropy = policy.row_logprobs(row)
+            logp, entropy = policy.row_logprobs(row, entropy_grad=algo.entropy_coef > 0)
             dev = logp.device
             if first:
                 cache.old.append(logp.detach())
@@ -268,6 +268,8 @@ class Trainer:
             tis = tis_weights(old, row.engine_logprobs.to(dev), algo.tis_cap)
             pl = self.loss_fn(logp, old, row.advantages.to(dev), token_seq, algo.clip_low, algo.clip_high)
             token_loss = pl.token_loss * tis
+            if algo.entropy_coef > 0:  # a bonus: higher entropy, lower loss
+                token_loss = token_loss - algo.entropy_coef * entropy
             if beta > 0:
                 kl = k3_kl(logp, cache.ref[r])
                 token_loss = token_loss + beta * kl
@@ -286,7 +288,7 @@ class Trainer:
             loss_sum += float(row_loss.detach())
             low += int(pl.clipped_low.sum())
             high += int(pl.clipped_high.sum())
-            sums["entropy"] += float(entropy.sum())
+            sums["entropy"] += float(entropy.detach().sum())
             sums["tis_weight_mean"] += float(tis.sum())
             if algo.tis_cap is not None:
                 sums["tis_capped_frac"] += float((tis >= algo.tis_cap).sum())
