@@ -71,6 +71,7 @@ def test_dry_run_rejects_bad_inputs(tiny, tmp_path, capsys, monkeypatch):
         (["train", "--dry-run", "trainer.mini_batches=0"], "trainer.mini_batches"),
         (["train", "--dry-run", "task.stop_after_sheet=maybe"], "task.stop_after_sheet"),
         (["train", "--dry-run", "model.lora.last_layers=0"], "model.lora.last_layers"),
+        (["train", "--dry-run", "algorithm.entropy_coef=-0.01"], "algorithm.entropy_coef"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv

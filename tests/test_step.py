@@ -102,15 +102,14 @@ def naive_loss(policy: Policy, groups: list[Group], algo: AlgorithmConfig, max_t
             target = torch.tensor(comp.completion_ids)
 
             def logprobs(model: torch.nn.Module, ids: torch.Tensor = ids, p: int = p, keep: torch.Tensor = keep,
-                         target: torch.Tensor = target) -> torch.Tensor:
+                         target: torch.Tensor = target) -> tuple[torch.Tensor, torch.Tensor]:
+                """(logprob, entropy) of each sampled token."""
                 logits = model(input_ids=ids).logits[0, p - 1 : p - 1 + len(target)].float()
-                return torch.log_softmax(logits, -1).gather(-1, target[:, None])[:, 0][keep]
+                full = torch.log_softmax(logits, -1)
+                return full.gather(-1, target[:, None])[:, 0][keep], -(full.exp() * full).sum(-1)[keep]
 
-            logp = logprobs(lm)
+            logp, entropy = logprobs(lm)
             n = logp.numel()
-            if algo.entropy_coef > 0:
-                full = torch.log_softmax(lm(input_ids=ids).logits[0, p - 1 : p - 1 + len(target)].float(), -1)
-                entropy = -(full.exp() * full).sum(-1)[keep]
             old_lp = old.get((gi, ci), logp.detach())
             adv = group.advantages[ci] if comp.token_advantages is None else torch.tensor(comp.token_advantages)[keep]
             if algo.loss == "ppo_clip":
@@ -124,7 +123,7 @@ def naive_loss(policy: Policy, groups: list[Group], algo: AlgorithmConfig, max_t
             tok = -obj * tis
             if algo.kl_beta > 0:
                 with torch.no_grad(), policy.reference() as ref_model:
-                    ref = logprobs(ref_model)
+                    ref = logprobs(ref_model)[0]
                 tok = tok + algo.kl_beta * (torch.exp(ref - logp) - (ref - logp) - 1)
             if algo.entropy_coef > 0:
                 tok = tok - algo.entropy_coef * entropy
