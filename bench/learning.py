@@ -34,7 +34,11 @@ from sleuth.metrics import upgrade_row
 from sleuth.scoring import mean_se
 
 RAW = ["algorithm.constrained_logprobs=false"]
-SHEET = ["model.lora.last_layers=null"]
+TOP = ["rollout.guided_samples=0"]
+"""The embedded default from the evening of 2026-12-04 (the `top` arm's configuration) until the
+`guided` arm's guided sample joined it that night: the arms of _OVER_TOP were measured over it and
+keep it underneath."""
+SHEET = [*TOP, "model.lora.last_layers=null"]
 """The embedded default from 2026-12-04 16:10 until the `top` arm's LoRA on the last 15 layers
 joined it the same evening (the `sheet` arm's levers, LoRA on every layer): the arms of
 _OVER_SHEET were measured over it and keep it underneath."""
@@ -108,12 +112,17 @@ _OVER_TOP: dict[str, list[str]] = {
     # On seed 1 that bonus held the entropy near 1 for 20 iterations without the format moving,
     # then the entropy ran away (3-6.5, sheets running into max_tokens): a tenth of it.
     "entropy_small": ["algorithm.entropy_coef=0.001"],
+    # Exploration within the listed choices instead: one of each group's eight samples drawn under
+    # the answer sheet's pattern (rollout.guided_samples), so a line on which the seven free samples
+    # all write a room name still has a sample naming one of its listed choices, and an advantage.
+    # Above chance on seeds 0-3, now the default.
+    "guided": ["rollout.guided_samples=1"],
 }
 ARMS: dict[str, list[str]] = {"default": [], **{name: [*EARLIER, *o] for name, o in _ARMS.items()},
                               **{name: [*SHEET, *o] for name, o in _OVER_SHEET.items()},
-                              **_OVER_TOP}
-"""`default` is the embedded default as it is now; the arms of _OVER_TOP change it, those of
-_OVER_SHEET the `sheet` default, the others the earlier one."""
+                              **{name: [*TOP, *o] for name, o in _OVER_TOP.items()}}
+"""`default` is the embedded default as it is now (`guided`'s configuration); the arms of _OVER_TOP
+change the `top` default, those of _OVER_SHEET the `sheet` default, the others the earlier one."""
 DEFAULT_ARMS = "default,sheet,earlier"
 
 

@@ -46,11 +46,17 @@ def test_every_arm_is_a_valid_config_over_the_default():
             earlier.task.stop_after_sheet) == ("sequence", 0.0, 1, False)
     sheet = load_config(default_config_path(), learning.ARMS["sheet"])
     assert sheet.model.lora.last_layers is None and earlier.model.lora.last_layers is None
-    assert load_config(default_config_path(), learning.ARMS["top"]) == load_config(default_config_path())
-    assert sheet == load_config(default_config_path(), ["model.lora.last_layers=null"])
+    # `top` is the default before `guided` joined it: the same, without the guided sample.
+    top = load_config(default_config_path(), learning.ARMS["top"])
+    assert top == load_config(default_config_path(), ["rollout.guided_samples=0"])
+    assert sheet == load_config(default_config_path(), ["rollout.guided_samples=0", "model.lora.last_layers=null"])
     # The entropy arms change only the bonus of the default they were measured over (`top`).
     for arm, coef in (("entropy", 0.01), ("entropy_small", 0.001)):
         cfg = load_config(default_config_path(), learning.ARMS[arm])
-        assert cfg.algorithm.entropy_coef == coef and load_config(default_config_path()).algorithm.entropy_coef == 0
-        assert cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"entropy_coef": 0.0})}) == \
-            load_config(default_config_path())
+        assert cfg.algorithm.entropy_coef == coef and top.algorithm.entropy_coef == 0
+        assert cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"entropy_coef": 0.0})}) == top
+    # `guided` is the embedded default now: `top` with one guided sample in each group of eight.
+    guided = load_config(default_config_path(), learning.ARMS["guided"])
+    assert guided == load_config(default_config_path()) and load_config(default_config_path(), learning.ARMS["default"]) == guided
+    assert guided.rollout.guided_samples == 1 and guided.rollout.samples_per_task == 8
+    assert guided.model_copy(update={"rollout": guided.rollout.model_copy(update={"guided_samples": 0})}) == top

@@ -45,7 +45,7 @@ def make_sampler(files, tmp_path: Path, *extra: str):
         "rollout.max_tokens=6", "loop.tasks_per_iteration=3", "loop.evaluate=false",
         "logging.tensorboard=false", *extra])
     run = setup(cfg, tmp_path / "run", resume=False)
-    sampler = Sampler(cfg, run.policy.tokenizer, run.engine, run.verifier, run.task_for_level, Progress(enabled=False))
+    sampler = Sampler(run.cfg, run.policy.tokenizer, run.engine, run.verifier, run.task_for_level, Progress(enabled=False))
     return run, sampler
 
 

@@ -119,7 +119,8 @@ def naive_loss(policy: Policy, groups: list[Group], algo: AlgorithmConfig, max_t
                 ratio = s.detach() * torch.exp(logp - logp.detach())
             obj = torch.minimum(ratio * adv, ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high) * adv)
             engine = torch.tensor(comp.logprobs)[keep]
-            tis = torch.exp(old_lp - engine).clamp(max=algo.tis_cap) if algo.tis_cap else torch.ones(n)
+            weighted = algo.tis_cap and not comp.guided  # guided samples: no weight to their sampler
+            tis = torch.exp(old_lp - engine).clamp(max=algo.tis_cap) if weighted else torch.ones(n)
             tok = -obj * tis
             if algo.kl_beta > 0:
                 with torch.no_grad(), policy.reference() as ref_model:
@@ -249,6 +250,33 @@ def test_token_advantages_equal_to_the_sequence_advantage_change_nothing() -> No
         out.append((loss, grads(policy)))
     assert out[0][0] == out[1][0]
     assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+
+
+def test_guided_samples_take_no_importance_weight() -> None:
+    """rollout.guided_samples: a guided completion's tokens get no truncated IS weight (their
+    sampler was the constrained policy); packed equals naive, and its engine logprobs change nothing."""
+    algo = AlgorithmConfig(tis_cap=2.0)
+    groups = random_groups(11, n_groups=3, n_comp=3)
+    for g in groups:
+        g.completions[-1].guided = True
+    check_packed_equals_naive(make_policy(True, seed=5), algo, groups, row_tokens=40, seed=2)
+
+    def step_grads(marked: bool, engine_shift: float) -> list[torch.Tensor]:
+        policy = make_policy(True, seed=5)
+        for g in groups:
+            c = g.completions[-1]
+            c.guided = marked
+            c.logprobs = [lp + engine_shift for lp in c.logprobs]
+        Trainer(policy, algo, TrainerConfig(row_tokens=40), max_tokens=8).loss_and_gradients(groups)
+        for g in groups:  # undo the shift
+            c = g.completions[-1]
+            c.logprobs = [lp - engine_shift for lp in c.logprobs]
+        return grads(policy)
+
+    guided, shifted = step_grads(True, 0.0), step_grads(True, -30.0)
+    assert all(torch.equal(a, b) for a, b in zip(guided, shifted))
+    weighted = step_grads(False, 0.0)
+    assert sum(float((a - b).norm()) for a, b in zip(guided, weighted)) > 1e-4
 
 
 @pytest.mark.parametrize("attn", [PACKED, "sdpa"])

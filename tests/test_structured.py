@@ -21,8 +21,10 @@ from sleuth.structured import (
     attach_token_masks,
     check_structured_output,
     constrained,
+    guided_samples,
     one_of,
     regex_literal,
+    resolve_guided_samples,
 )
 from sleuth.tasks.temporal_clue.grade import grade, valid_fraction
 from sleuth.tasks.temporal_clue.task import TemporalClueTask
@@ -180,11 +182,56 @@ def test_start_up_checks(tc_task, tmp_path):
         check_structured_output(math_cfg, MathTask(math_cfg.task), "vllm")
 
 
+def test_guided_samples_at_start_up(tc_task, tmp_path):
+    """rollout.guided_samples is drawn on vLLM for a task with an answer pattern; elsewhere the run
+    starts with a note and draws every sample freely (the embedded default sets one); leaving no
+    free sample is an error."""
+    from sleuth.cli.train import default_config_path
+
+    assert load_config(default_config_path()).rollout.guided_samples == 1  # the embedded default
+    guided = load_config(None, ["rollout.guided_samples=2"])
+    assert guided_samples(guided, tc_task, "vllm") == (2, None)
+    n, note = guided_samples(guided, tc_task, "hf")
+    assert n == 0 and note == ("rollout.guided_samples=2: the hf engine has no structured outputs (rollout.engine=vllm "
+                               "has), so every sample is drawn freely; set rollout.guided_samples=0 to say so")
+    n, note = guided_samples(load_config(None, ["rollout.guided_samples=2", "rollout.structured_output=true"]),
+                             tc_task, "vllm")
+    assert n == 0 and "every sample is already constrained (rollout.structured_output)" in note
+    from sleuth.tasks.math import MathTask
+
+    math_file = tmp_path / "m.jsonl"
+    math_file.write_text('{"problem": "1+1", "answer": 2}\n')
+    math_cfg = load_config(None, ["task.name=math", f"task.train_path={math_file}", f"task.eval_path={math_file}",
+                                  "rollout.guided_samples=2"])
+    n, note = guided_samples(math_cfg, MathTask(math_cfg.task), "vllm")
+    assert n == 0 and "task 'math' has no answer pattern (Task.answer_pattern)" in note
+    assert resolve_guided_samples(math_cfg, MathTask(math_cfg.task), "vllm").rollout.guided_samples == 0
+    assert resolve_guided_samples(guided, tc_task, "vllm") is guided
+    assert guided_samples(load_config(None, ["rollout.guided_samples=0"]), tc_task, "hf") == (0, None)
+    with pytest.raises(ConfigError, match=r"guided_samples=8 leaves no free sample .*samples_per_task=8"):
+        guided_samples(load_config(None, ["rollout.guided_samples=8"]), tc_task, "vllm")
+
+
 def test_dry_run_refuses_the_hf_engine(capsys):
     assert main(["train", "--dry-run", "task.eval_size=2", "rollout.structured_output=true",
                  "rollout.engine=hf"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "rollout.structured_output needs rollout.engine=vllm" in err[0]
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_dry_run_says_how_many_samples_are_guided(capsys):
+    assert main(["train", "--dry-run", "task.eval_size=2", "rollout.engine=vllm"]) == 0
+    assert "x 8 samples (1 guided), up to" in capsys.readouterr().out
+    assert main(["train", "--dry-run", "task.eval_size=2", "rollout.engine=hf"]) == 0
+    out, err = capsys.readouterr()
+    assert "x 8 samples, up to" in out and err.strip() == (
+        "sleuth: note: rollout.guided_samples=1: the hf engine has no structured outputs (rollout.engine=vllm has), "
+        "so every sample is drawn freely; set rollout.guided_samples=0 to say so")
+    assert main(["train", "--dry-run", "task.eval_size=2", "rollout.engine=vllm", "rollout.guided_samples=3",
+                 "rollout.samples_per_task=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "rollout.guided_samples=3 leaves no free sample" in err[0]
 
 
 def test_requests_with_a_regex_are_checked():
@@ -231,7 +278,7 @@ def test_vllm_samples_only_matching_completions_in_training_and_evaluation(tiny_
     ])
     run = setup(cfg, tmp_path / "run", resume=False)
     try:
-        sampler = Sampler(cfg, run.policy.tokenizer, run.engine, run.verifier, run.task_for_level,
+        sampler = Sampler(run.cfg, run.policy.tokenizer, run.engine, run.verifier, run.task_for_level,
                           Progress(enabled=False))
         batch = sampler.collect(iteration=1, position=0, level=1, version=0)
         train_texts = [c.text for g in batch.groups for c in g.completions]
@@ -268,3 +315,57 @@ def test_vllm_samples_only_matching_completions_in_training_and_evaluation(tiny_
     assert (raw_lp - engine_lp).mean().item() < -0.5
     # Left free, the random-init byte-level model writes text outside the pattern.
     assert not all(pattern.fullmatch(r["text"]) for r in free.records)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_vllm_guided_samples_join_free_ones_in_each_group(tiny_model_dir, tmp_path):
+    """rollout.guided_samples=2 of 6: a group whose problem has an answer pattern holds four free
+    completions (the random-init model leaves the pattern) and two guided ones that match it, one
+    without a pattern six free ones; rollout metrics keep them apart, and the packed rows mark
+    exactly the guided completions' tokens."""
+    from sleuth.loop import setup
+    from sleuth.progress import Progress
+    from sleuth.sampling import Sampler
+    from sleuth.train.packing import pack_groups
+
+    task_file = tmp_path / "yes_no.py"  # odd problems have no answer pattern: their groups are all free
+    task_file.write_text(YES_NO_TASK.replace('"answer_pattern": "(yes|no)( [ab]{1,3})?"',
+                                             '"answer_pattern": "" if i % 2 else "(yes|no)( [ab]{1,3})?"'))
+    cfg = load_config(None, [
+        f"model.path={tiny_model_dir}", "model.dtype=float32", "model.lora.rank=4", f"task.name={task_file}:problems",
+        "task.verifier_isolation=inline", "rollout.engine=vllm", "rollout.kv_cache_gb=0.25", "loop.evaluate=false",
+        "rollout.guided_samples=2", "rollout.samples_per_task=6", "rollout.max_tokens=16", "rollout.temperature=1.0",
+        "loop.tasks_per_iteration=3", "algorithm.drop_zero_advantage=false", "logging.tensorboard=false",
+    ])
+    run = setup(cfg, tmp_path / "run", resume=False)
+    try:
+        sampler = Sampler(run.cfg, run.policy.tokenizer, run.engine, run.verifier, run.task_for_level,
+                          Progress(enabled=False))
+        batch = sampler.collect(iteration=1, position=0, level=1, version=0)
+        step = run.trainer.step(batch.groups)
+    finally:
+        run.engine.close()
+        run.verifier.close()
+        run.writer.close()
+    pattern = re.compile("(yes|no)( [ab]{1,3})?")
+    odd = [int(g.problem.id[1:]) % 2 for g in batch.groups]
+    assert len(batch.groups) == 3 and 0 in odd and 1 in odd  # both kinds in this seed's batch
+    free, guided = [], []
+    for g, without_pattern in zip(batch.groups, odd, strict=True):
+        n = 0 if without_pattern else 2
+        assert [c.guided for c in g.completions] == [False] * (6 - n) + [True] * n
+        assert all(c.token_bitmask is None for c in g.completions)  # both scored under the raw model
+        free += g.completions[: 6 - n]
+        guided += g.completions[6 - n:]
+    assert all(pattern.fullmatch(c.text) for c in guided)
+    assert not all(pattern.fullmatch(c.text) for c in free)
+    free_rewards = [c.reward_info["verifier_reward"] for c in free]
+    guided_rewards = [c.reward_info["verifier_reward"] for c in guided]
+    assert batch.metrics["rollout/reward_mean"] == pytest.approx(sum(free_rewards) / len(free))
+    assert batch.metrics["rollout/guided_reward_mean"] == pytest.approx(sum(guided_rewards) / len(guided))
+    rows = pack_groups(batch.groups, 4096).rows
+    marked = sum(int(r.guided.sum()) for r in rows if r.guided is not None)
+    assert marked == sum(len(c.completion_ids) for c in guided) > 0
+    assert step["self_check_max_diff"] < 1e-3

@@ -220,6 +220,19 @@ class RolloutConfig(Section):
     (Task.answer_pattern; Temporal Clue: the answer sheet with one listed choice per line) with
     vLLM's structured outputs, so samples differ only in the answers they pick. Needs the vLLM engine
     and a task with a pattern (checked at start-up)."""
+    guided_samples: int = Field(0, ge=0)
+    """Of each group's samples_per_task, how many are drawn under the task's answer pattern (as
+    rollout.structured_output draws all of them) while the rest sample freely: guided exploration.
+    Once every free sample of a group gives the same invalid answer on a line, that line has no
+    advantage left; a guided sample names a listed choice there, so the line's advantage pushes the
+    free policy towards listed choices. The trainer scores guided samples under the raw model, like
+    the free ones, with no importance weight towards the constraint that drew them (off-policy
+    guidance, as LUFFY mixes off-policy traces into GRPO groups). rollout/reward_mean counts the
+    free samples only (the policy's own); rollout/guided_reward_mean the guided. Evaluation never
+    guides. Drawn on the vLLM engine for a single-turn task with an answer pattern; elsewhere (and
+    under rollout.structured_output) the run starts with a note and samples every one freely
+    (structured.guided_samples), as does a problem without a pattern. Leaving no free sample is a
+    start-up error."""
     max_concurrency: int | None = Field(None, ge=1)
     """Most sequences in flight at once; None: vLLM admits samples while their expected KV blocks
     fit its cache (no preemption), the hf engine decodes 64 rows at a time."""

@@ -39,7 +39,7 @@ from sleuth.rollout.base import RolloutEngine
 from sleuth.sampling import Sampler, print_shaping_notes
 from sleuth.scoring import VerifierRunner, mean_se
 from sleuth.seeds import derive_seed
-from sleuth.structured import check_structured_output
+from sleuth.structured import check_structured_output, resolve_guided_samples
 from sleuth.sync import WeightSync
 from sleuth.tasks.base import Task
 from sleuth.tasks.episodes import EpisodeRunner, find_rollout
@@ -168,6 +168,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Run:
     task = build_task(cfg.task)
     print_shaping_notes(cfg, task)
     check_structured_output(cfg, task, engine_kind(cfg.rollout))
+    cfg = resolve_guided_samples(cfg, task, engine_kind(cfg.rollout))  # what config.yaml records
     eval_problems = list(task.eval_problems())[: cfg.task.eval_size] if cfg.loop.evaluate else []
     if cfg.model.quantization != "none" and cfg.rollout.native_lora:
         raise UserError("rollout.native_lora serves the adapter on the unquantized base, which "
@@ -259,6 +260,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO | None =
     # Started before setup: loading counts against the budget.
     budget = TimeBudget(L.time_budget_min, elapsed_before_s=elapsed_before_s)
     run = setup(cfg, run_dir, resume)
+    cfg = run.cfg  # as resolved at start-up (structured.resolve_guided_samples)
     budget.restore(run.state.get("budget"))
     progress = progress or Progress()
     curriculum = Curriculum(parse_schedule(cfg.task.difficulty), run.state.get("curriculum_stage", 0))

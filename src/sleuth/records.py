@@ -105,6 +105,9 @@ class Completion:
     [len(completion_ids), W] int32 torch tensor, bit j of word w set where token 32w + j was
     allowed at that step (xgrammar's layout); the trainer's logprobs are then the constrained
     policy's (train/logprobs.py). None: unconstrained."""
+    guided: bool = False
+    """Drawn under the task's answer pattern among free samples (rollout.guided_samples): the
+    trainer gives its tokens no importance weight towards the constraint that drew it."""
     token_advantages: list[float] | None = None
     """Per-answer credit (algorithm.credit=answer): the advantage of each completion token (same
     length as completion_ids), each answer's tokens taking that answer's own; None: every token

@@ -33,7 +33,7 @@ from sleuth.credit import assign_answer_credit, check_credit, has_signal, locate
 from sleuth.metrics import prefixed
 from sleuth.models import encode_chat
 from sleuth.progress import Progress
-from sleuth.records import Group, Problem, SamplingParams
+from sleuth.records import Completion, Group, Problem, SamplingParams
 from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngine, to_groups
 from sleuth.scoring import VerifierRunner, mean_se, score_groups
 from sleuth.seeds import derive_seed
@@ -171,17 +171,30 @@ class Sampler:
         seed = self.cfg.loop.seed
         t = time.perf_counter()
         prompts = [encode_chat(self.tokenizer, p.messages) for p in problems]
-        structured = self.cfg.rollout.structured_output
+        r = self.cfg.rollout
+        # Guided samples for the problems with an answer pattern (a user task's may lack one).
+        n_guided = [r.guided_samples if r.guided_samples and task.answer_pattern(p) else 0 for p in problems]
         requests = [
-            GenerationRequest(ids, n=self.cfg.rollout.samples_per_task, request_id=f"{iteration}-{j}",
+            GenerationRequest(ids, n=r.samples_per_task - g, request_id=f"{iteration}-{j}",
                               sampling=constrained(replace(self.sampling, seed=request_seed(seed, iteration, j)),
-                                                   task, p, structured))
-            for j, (p, ids) in enumerate(zip(problems, prompts, strict=True), start=first_index)
+                                                   task, p, r.structured_output))
+            for j, (p, ids, g) in enumerate(zip(problems, prompts, n_guided, strict=True), start=first_index)
         ]
-        results = generate(self.engine, requests, self.progress)
+        guided = [  # after the free ones: a vLLM prefix-cache hit on each prompt
+            GenerationRequest(ids, n=g, request_id=f"{iteration}-{j}-guided",
+                              sampling=constrained(replace(self.sampling, seed=derive_seed("guided", seed, iteration, j)),
+                                                   task, p, True))
+            for j, (p, ids, g) in enumerate(zip(problems, prompts, n_guided, strict=True), start=first_index) if g
+        ]
+        results = generate(self.engine, requests + guided, self.progress)
         times["rollout"] += time.perf_counter() - t
         t = time.perf_counter()
-        groups = to_groups(problems, prompts, results)
+        groups = to_groups(problems, prompts, results[:len(requests)])
+        if guided:
+            with_pattern = [i for i, g in enumerate(n_guided) if g]
+            add_guided([groups[i] for i in with_pattern],
+                       to_groups([problems[i] for i in with_pattern], [prompts[i] for i in with_pattern],
+                                 results[len(requests):]))
         if self.masks is not None:
             times["refused"] += attach_token_masks(self.masks, groups, [r.sampling.regex for r in requests])
         stats = score_groups(self.verifier, groups)
@@ -239,24 +252,40 @@ class Sampler:
         return [g for g, _ in kept], [p for _, p in kept]
 
     def _reward_metrics(self, groups: list[Group], times: dict[str, float], metrics: dict[str, Any]) -> float:
-        completions = [c for g in groups for c in g.completions]
-        rewards = [c.reward_info.get("verifier_reward", c.reward) for c in completions]
-        lengths = [len(c.completion_ids) for c in completions]
+        """Rollout metrics of the policy's own (free) samples; guided samples count in the token
+        totals and in rollout/guided_reward_mean only."""
+        everything = [c for g in groups for c in g.completions]
+        completions = [c for c in everything if not c.guided]
+        rewards = [verifier_reward(c) for c in completions]
+        lengths = [len(c.completion_ids) for c in everything]
         n = max(len(completions), 1)
         mean, se = mean_se(rewards)
         metrics.update(prefixed("rollout", dict(
             reward_mean=mean, reward_se=se, reward_max=max(rewards, default=0.0),
             verifier_errors=times["errors"], verifier_timeouts=times["timeouts"],
-            completion_tokens_mean=sum(lengths) / n, tokens=sum(lengths),
+            completion_tokens_mean=sum(len(c.completion_ids) for c in completions) / n, tokens=sum(lengths),
             truncated_frac=sum(c.finish_reason == "length" for c in completions) / n,
             tokens_per_s=sum(lengths) / max(times["rollout"], 1e-9),
             overlong_penalty=sum(c.reward_info.get("overlong_penalty", 0.0) for c in completions) / n,
             format_reward=sum(c.reward_info.get("format_reward", 0.0) for c in completions) / n,
         )))
+        if self.cfg.rollout.guided_samples:  # 0 for a batch without a guided sample
+            metrics["rollout/guided_reward_mean"] = mean_se([verifier_reward(c) for c in everything if c.guided])[0]
         metrics.update({"time/rollout_s": times["rollout"], "time/score_s": times["score"]})
         if self.masks is not None:
             metrics["rollout/constraint_refused"] = times["refused"]
         return mean
+
+
+def verifier_reward(c: Completion) -> float:
+    """The verifier's reward of a completion, before reward shaping."""
+    return c.reward_info.get("verifier_reward", c.reward)
+
+
+def add_guided(groups: list[Group], guided: list[Group]) -> None:
+    """Append each guided group's completions, marked guided, to the free group of its problem."""
+    for g, extra in zip(groups, guided, strict=True):
+        g.completions.extend(replace(c, guided=True) for c in extra.completions)
 
 
 def _abs_mean(values: list[float]) -> float:

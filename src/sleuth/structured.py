@@ -20,6 +20,7 @@ then that mass: train/tis_weight_mean about 0.6 on SmolLM2) and pushes mass off 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -64,6 +65,45 @@ def check_structured_output(cfg: Config, task: Task, engine_kind: str) -> None:
     if engine_kind != "vllm":
         raise ConfigError("rollout.structured_output needs rollout.engine=vllm (vLLM's structured outputs); "
                           f"the {engine_kind} engine samples free text only")
+
+
+def guided_samples(cfg: Config, task: Task, engine_kind: str) -> tuple[int, str | None]:
+    """How many of each group's samples a run draws guided (rollout.guided_samples), and a start-up
+    note when it cannot draw the configured ones: the embedded default sets one for Temporal Clue on
+    vLLM, and a run that changes the task or the engine should still start, saying what it skips.
+    Guided samples that would leave no free one are a ConfigError."""
+    from sleuth.tasks.base import Task
+    from sleuth.tasks.episodes import find_rollout
+
+    r = cfg.rollout
+    if not r.guided_samples:
+        return 0, None
+    if r.structured_output:
+        reason = "every sample is already constrained (rollout.structured_output)"
+    elif find_rollout(cfg.task, task) is not None:
+        reason = f"task {cfg.task.name!r} runs episodes, whose calls its rollout function makes"
+    elif type(task).answer_pattern is Task.answer_pattern:
+        reason = f"task {cfg.task.name!r} has no answer pattern (Task.answer_pattern)"
+    elif engine_kind != "vllm":
+        reason = f"the {engine_kind} engine has no structured outputs (rollout.engine=vllm has)"
+    else:
+        if r.guided_samples >= r.samples_per_task:
+            raise ConfigError(f"rollout.guided_samples={r.guided_samples} leaves no free sample in groups of "
+                              f"rollout.samples_per_task={r.samples_per_task}; use fewer guided samples")
+        return r.guided_samples, None
+    return 0, (f"rollout.guided_samples={r.guided_samples}: {reason}, so every sample is drawn freely; "
+               "set rollout.guided_samples=0 to say so")
+
+
+def resolve_guided_samples(cfg: Config, task: Task, engine_kind: str) -> Config:
+    """`cfg` with the guided samples the run will draw (guided_samples), printing its note if any:
+    the config a run stores and samples with (start-up and --dry-run)."""
+    n, note = guided_samples(cfg, task, engine_kind)
+    if note:
+        print(f"sleuth: note: {note}", file=sys.stderr)
+    if n == cfg.rollout.guided_samples:
+        return cfg
+    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"guided_samples": n})})
 
 
 def constrained(sampling: SamplingParams, task: Task, problem: Problem, enabled: bool) -> SamplingParams:

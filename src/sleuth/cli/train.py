@@ -89,9 +89,10 @@ def dry_run(cfg: Any) -> list[str]:
 
     print_shaping_notes(cfg, task)
     from sleuth.rollout.factory import engine_kind
-    from sleuth.structured import check_structured_output
+    from sleuth.structured import check_structured_output, resolve_guided_samples
 
     check_structured_output(cfg, task, engine_kind(cfg.rollout))
+    cfg = resolve_guided_samples(cfg, task, engine_kind(cfg.rollout))
     problems = task.eval_problems()
     lines.append(f"task: {cfg.task.name} ({len(problems)} held-out problems, first training problem "
                  f"'{task.train_problem(0).id}')")
@@ -115,8 +116,9 @@ def dry_run(cfg: Any) -> list[str]:
 
     lines += describe(cfg, engine, resolve_model_path(cfg.model.path))
     L = cfg.loop
+    guided = f" ({cfg.rollout.guided_samples} guided)" if cfg.rollout.guided_samples else ""
     lines.append(f"loop: {L.iterations} iterations x {L.tasks_per_iteration} tasks x "
-                 f"{cfg.rollout.samples_per_task} samples, up to {cfg.rollout.max_tokens} tokens each")
+                 f"{cfg.rollout.samples_per_task} samples{guided}, up to {cfg.rollout.max_tokens} tokens each")
     return lines
 
 

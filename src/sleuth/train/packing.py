@@ -99,6 +99,9 @@ class PackedRow:
     token_bitmask: torch.Tensor | None = None
     """[N, W] int32 tokens the grammar allowed at each target (Completion.token_bitmask; all bits
     set for a completion without one), or None when no completion of the row has one."""
+    guided: torch.Tensor | None = None
+    """[N] bool: the target belongs to a guided sample (Completion.guided, rollout.guided_samples),
+    or None when no completion of the row is guided."""
     placements: list[Placement] = field(default_factory=list)
     nodes: list[RowNode] = field(default_factory=list)
 
@@ -371,6 +374,7 @@ def _build_row(groups: list[Group], parts: list[tuple[int, list[_Node]]], seq_of
     token_seq: list[int] = []
     engine: list[float] = []
     adv: list[float] = []
+    guided: list[bool] = []
     masks: list[tuple[torch.Tensor | None, int]] = []  # per placement: its targets' bitmask rows
     placements: list[Placement] = []
     tree = 0
@@ -396,6 +400,7 @@ def _build_row(groups: list[Group], parts: list[tuple[int, list[_Node]]], seq_of
             engine.extend(comp.logprobs[k] for k in picked)
             seq = seq_offset[g] + c
             token_seq.extend([seq] * len(picked))
+            guided.extend([comp.guided] * len(picked))
             if comp.token_advantages is None:
                 adv.extend([float(group.advantages[c])] * len(picked))
             else:  # per-answer credit (credit.py)
@@ -418,6 +423,7 @@ def _build_row(groups: list[Group], parts: list[tuple[int, list[_Node]]], seq_of
         predictor_index=long(predictor), target_ids=long(targets), token_seq=long(token_seq),
         engine_logprobs=torch.tensor(engine, dtype=torch.float32),
         advantages=torch.tensor(adv, dtype=torch.float32), token_bitmask=_row_bitmask(masks),
+        guided=torch.tensor(guided, dtype=torch.bool) if any(guided) else None,
         placements=placements, nodes=b.nodes,
     )
 

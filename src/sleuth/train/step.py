@@ -14,6 +14,8 @@ mini-batch's own first-pass logprobs, detached: no extra forward pass is needed.
 mini-batch these are the weights that sampled it (up to engine rounding); a later one was sampled
 before the earlier mini-batches' steps, and the truncated IS weight min(exp(old - engine), cap)
 reweights its tokens from the behaviour policy to these (decoupled PPO, as with loop.max_staleness).
+Guided samples (rollout.guided_samples) take no IS weight: the constraint that drew them is not a
+policy to correct towards, they are off-policy guidance.
 """
 
 from __future__ import annotations
@@ -266,6 +268,8 @@ class Trainer:
             old = cache.old[r]
             token_seq = row.token_seq.to(dev)
             tis = tis_weights(old, row.engine_logprobs.to(dev), algo.tis_cap)
+            if row.guided is not None:  # off-policy guidance: no weight towards the constraint that drew it
+                tis = tis.masked_fill(row.guided.to(dev), 1.0)
             pl = self.loss_fn(logp, old, row.advantages.to(dev), token_seq, algo.clip_low, algo.clip_high)
             token_loss = pl.token_loss * tis
             if algo.entropy_coef > 0:  # a bonus: higher entropy, lower loss

@@ -1,0 +1,101 @@
+"""Constant answers on Temporal Clue: what a policy that ignores the puzzle scores.
+
+    .venv/bin/python bench/constant_answers.py [--puzzles 200] [--samples RUN_DIR/eval-.../samples.jsonl]
+
+A policy can beat the chance level (a uniformly random listed choice on every line, `val/chance`)
+without reading the puzzle, by always naming the same position of each question's listed
+choices. This scores the first, second and last listed choice on every line against the chance
+level, on the embedded default's held-out set (its first task.eval_size puzzles) and on --puzzles
+puzzles of the same generator (the held-out seeds continued), so a held-out reward can be read
+against what a constant answer gets on the same puzzles. With --samples (a `sleuth eval`
+samples.jsonl on that held-out set, or on the first N puzzles with `task.eval_size=N`, N up to
+--puzzles) it also prints the share of the answer lines that name each question's first listed
+choice. Last line: `first_heldout=… first_many=… chance_many=…`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from sleuth.cli.train import default_config_path
+from sleuth.config import load_config
+from sleuth.hardware import cpu_description
+from sleuth.records import Problem
+from sleuth.tasks.base import Task
+from sleuth.tasks.registry import build_task
+from sleuth.tasks.temporal_clue.dataset import parse_choices
+
+STRATEGIES: dict[str, Callable[[list[str]], str]] = {
+    "first": lambda options: options[0],
+    "second": lambda options: options[min(1, len(options) - 1)],
+    "last": lambda options: options[-1],
+}
+_LINE = re.compile(r"([A-Z])\. (.+)$")
+
+
+def choices_of(problem: Problem) -> dict[str, list[str]]:
+    return parse_choices(problem.messages[-1]["content"])
+
+
+def constant_score(task: Task, problems: list[Problem], pick: Callable[[list[str]], str]) -> float:
+    """Mean reward of the answer sheet naming pick(options) on every line."""
+    total = 0.0
+    for p in problems:
+        sheet = "\n".join(f"{letter}. {pick(options)}" for letter, options in sorted(choices_of(p).items()))
+        total += task.score(p, sheet)
+    return total / len(problems)
+
+
+def first_choice_share(problems: list[Problem], samples: Path) -> tuple[float, int]:
+    """Share of the answer lines in a samples.jsonl that name their question's first listed choice."""
+    by_id = {p.id: choices_of(p) for p in problems}
+    same = lines = 0
+    for row in map(json.loads, samples.read_text().splitlines()):
+        choices = by_id.get(row["problem_id"])
+        if choices is None:
+            raise ValueError(f"--samples {samples}: problem {row['problem_id']!r} is not among the --puzzles puzzles")
+        for line in row["text"].splitlines():
+            m = _LINE.match(line.strip())
+            if m and m.group(1) in choices:
+                lines += 1
+                same += m.group(2).strip() == choices[m.group(1)][0]
+    return same / max(lines, 1), lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--puzzles", type=int, default=200, help="puzzles of the held-out generator to score")
+    parser.add_argument("--samples", type=Path, default=None, help="a `sleuth eval` samples.jsonl to compare")
+    args = parser.parse_args()
+    cfg = load_config(default_config_path())
+    if args.puzzles < cfg.task.eval_size:
+        parser.error(f"--puzzles {args.puzzles}: at least the held-out set's {cfg.task.eval_size}")  # exit 2
+    if args.samples is not None and not args.samples.is_file():
+        parser.error(f"--samples {args.samples}: no such file")
+    task = build_task(load_config(default_config_path(), [f"task.eval_size={args.puzzles}"]).task)
+    many = task.eval_problems()
+    sets = {f"held-out ({cfg.task.eval_size})": many[: cfg.task.eval_size], f"generator ({len(many)})": many}
+    print(f"# cpu: {cpu_description()}")
+    print(f"{'puzzles':<16} {'chance':>7} " + " ".join(f"{name:>7}" for name in STRATEGIES))
+    scores: dict[str, dict[str, float]] = {}
+    for label, problems in sets.items():
+        row = {"chance": sum(task.chance_reward(p) for p in problems) / len(problems)}
+        row |= {name: constant_score(task, problems, pick) for name, pick in STRATEGIES.items()}
+        scores[label] = row
+        print(f"{label:<16} " + " ".join(f"{v:>7.3f}" for v in row.values()))
+    if args.samples is not None:
+        try:
+            share, lines = first_choice_share(many, args.samples)
+        except ValueError as e:
+            parser.error(str(e))  # exit 2
+        print(f"{args.samples}: {share:.3f} of {lines} answer lines name the first listed choice")
+    held, gen = scores.values()
+    print(f"first_heldout={held['first']:.3f} first_many={gen['first']:.3f} chance_many={gen['chance']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
