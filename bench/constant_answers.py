@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 from sleuth.cli.train import default_config_path
@@ -28,12 +27,8 @@ from sleuth.records import Problem
 from sleuth.tasks.base import Task
 from sleuth.tasks.registry import build_task
 from sleuth.tasks.temporal_clue.dataset import parse_choices
+from sleuth.tasks.temporal_clue.task import CONSTANT_ANSWERS
 
-STRATEGIES: dict[str, Callable[[list[str]], str]] = {
-    "first": lambda options: options[0],
-    "second": lambda options: options[min(1, len(options) - 1)],
-    "last": lambda options: options[-1],
-}
 _LINE = re.compile(r"([A-Z])\. (.+)$")
 
 
@@ -41,13 +36,10 @@ def choices_of(problem: Problem) -> dict[str, list[str]]:
     return parse_choices(problem.messages[-1]["content"])
 
 
-def constant_score(task: Task, problems: list[Problem], pick: Callable[[list[str]], str]) -> float:
-    """Mean reward of the answer sheet naming pick(options) on every line."""
-    total = 0.0
-    for p in problems:
-        sheet = "\n".join(f"{letter}. {pick(options)}" for letter, options in sorted(choices_of(p).items()))
-        total += task.score(p, sheet)
-    return total / len(problems)
+def constant_scores(task: Task, problems: list[Problem]) -> dict[str, float]:
+    """Mean reward of each constant answer sheet (Task.constant_rewards) over the problems."""
+    per_problem = [task.constant_rewards(p) or {} for p in problems]
+    return {name: sum(r[name] for r in per_problem) / len(problems) for name in CONSTANT_ANSWERS}
 
 
 def first_choice_share(problems: list[Problem], samples: Path) -> tuple[float, int]:
@@ -80,11 +72,11 @@ def main() -> None:
     many = task.eval_problems()
     sets = {f"held-out ({cfg.task.eval_size})": many[: cfg.task.eval_size], f"generator ({len(many)})": many}
     print(f"# cpu: {cpu_description()}")
-    print(f"{'puzzles':<16} {'chance':>7} " + " ".join(f"{name:>7}" for name in STRATEGIES))
+    print(f"{'puzzles':<16} {'chance':>7} " + " ".join(f"{name:>7}" for name in CONSTANT_ANSWERS))
     scores: dict[str, dict[str, float]] = {}
     for label, problems in sets.items():
         row = {"chance": sum(task.chance_reward(p) for p in problems) / len(problems)}
-        row |= {name: constant_score(task, problems, pick) for name, pick in STRATEGIES.items()}
+        row |= constant_scores(task, problems)
         scores[label] = row
         print(f"{label:<16} " + " ".join(f"{v:>7.3f}" for v in row.values()))
     if args.samples is not None:

@@ -63,6 +63,7 @@ def test_eval_model_folder(files, tmp_path, capsys):
     assert summary["cost_per_problem"] == pytest.approx(summary["tokens_per_problem"] * 2.5 / 1e6)
     assert summary["tokens_per_problem"] > 3 * summary["mean_completion_tokens"]  # prompts count too
     assert last == f"avg@3={summary['avg']:.4f} pass@3={summary['pass_k']:.4f} maj@3={summary['maj']:.4f}"
+    assert summary["constant"] is None and "best constant answer" not in stdout  # this task has none
     assert f"avg@3     {summary['avg']:.4f} ± {summary['avg_se']:.4f}".split() == \
         next(line for line in stdout.splitlines() if line.startswith("avg@3 ")).split()
 
@@ -70,6 +71,26 @@ def test_eval_model_folder(files, tmp_path, capsys):
     assert main(["eval", "--model", str(tiny), "--task", f"{task_file}:problems", "--k", "3",
                  "--out", str(tmp_path / "again"), *COMMON]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == last
+
+
+def test_eval_prints_the_best_constant_answer_of_temporal_clue(files, tmp_path, capsys):
+    """On a task with constant answers the table and summary.json give the best one's mean reward
+    next to the chance level: what a policy that ignores the puzzles would score on these."""
+    from sleuth.scoring import constant_level
+    from sleuth.tasks.registry import build_task
+
+    tiny, _ = files
+    out = tmp_path / "out"
+    overrides = ["task.eval_size=3", "rollout.engine=hf", "rollout.max_tokens=4", "model.dtype=float32"]
+    assert main(["eval", "--model", str(tiny), "--task", "temporal_clue", "--k", "1", "--out", str(out),
+                 *overrides]) == 0
+    stdout = capsys.readouterr().out
+    task = build_task(load_config(None, ["task.name=temporal_clue", *overrides]).task)
+    want = constant_level(task, task.eval_problems())
+    summary = json.loads((out / "summary.json").read_text())
+    assert want is not None and summary["constant"] == pytest.approx(want)
+    assert summary["chance"] < summary["constant"] <= 1.0
+    assert f"best constant answer    {want:.4f}".split() in [line.split() for line in stdout.splitlines()]
 
 
 def test_eval_run_directory_uses_its_config_and_checkpoint(files, tmp_path, capsys):

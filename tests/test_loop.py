@@ -114,6 +114,8 @@ def test_loop_trains_logs_and_checkpoints(setup_files, tmp_path):
 
     text = out.getvalue().splitlines()
     assert text[0].startswith("held-out reward before training: ")
+    # This task has no constant answers (Task.constant_rewards), so neither line nor metric names one.
+    assert "val/constant" not in rows[0] and "constant answer" not in out.getvalue()
     assert sum(line.startswith("iter ") for line in text) == 2
     assert text[-2].startswith("held-out reward after training:")
     assert text[-1].startswith("gain ")
@@ -289,3 +291,13 @@ def test_loop_with_vllm_engine(setup_files, tmp_path):
     base = load_file(str(tiny / "model.safetensors"))
     merged = load_file(str(tmp_path / "run" / "model" / "model.safetensors"))
     assert any(not (base[n] == merged[n]).all() for n in base)
+
+
+def test_held_out_line_names_the_chance_level_and_the_best_constant_answer():
+    from sleuth.loop import _val_text_dict
+
+    v = {"avg": 0.4513, "avg_se": 0.0621, "k": 4, "problems": 16, "chance": 0.3968, "constant": 0.4926}
+    assert _val_text_dict(v) == "0.451 ± 0.062 (avg@4 over 16 problems; chance 0.397, best constant answer 0.493)"
+    assert _val_text_dict(v | {"constant": None}) == "0.451 ± 0.062 (avg@4 over 16 problems; chance 0.397)"
+    assert _val_text_dict(v | {"chance": None, "constant": None}).endswith("; chance unknown)")
+

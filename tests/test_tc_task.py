@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pickle
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from sleuth.config import TaskConfig
+from sleuth.scoring import constant_level
 from sleuth.tasks.temporal_clue.dataset import answer_sheet
 from sleuth.tasks.temporal_clue.task import (
     TemporalClueTask,
@@ -130,3 +132,23 @@ def test_file_without_answer_format_fails_at_start(tmp_path: Path) -> None:
     path.write_text('{"prompt": "Who?", "solution": {"A": "X", "B": "Y"}, "choices": {"A": ["X"]}}\n')
     with pytest.raises(DataError, match="no choices for question"):
         TemporalClueTask(TaskConfig(eval_path=str(path)))
+
+
+def test_constant_rewards_score_one_listed_position_on_every_line() -> None:
+    task = TemporalClueTask(TaskConfig(eval_path=val_path(), eval_size=6))
+    problems = task.eval_problems()
+    for p in problems:
+        choices = p.metadata["choices"]
+        rewards = task.constant_rewards(p)
+        assert rewards == {
+            "first": task.score(p, answer_sheet({q: choices[q][0] for q in p.answer})),
+            "second": task.score(p, answer_sheet({q: choices[q][min(1, len(choices[q]) - 1)] for q in p.answer})),
+            "last": task.score(p, answer_sheet({q: choices[q][-1] for q in p.answer})),
+        }
+        # Each constant sheet is right on the lines whose answer sits at that position.
+        assert rewards["first"] == pytest.approx(sum(choices[q][0] == p.answer[q] for q in p.answer) / len(p.answer))
+    best = max(sum(task.constant_rewards(p)[n] for p in problems) / len(problems) for n in ("first", "second", "last"))
+    assert constant_level(task, problems) == pytest.approx(best)
+    bare = replace(problems[0], metadata={k: v for k, v in problems[0].metadata.items() if k != "choices"})
+    assert task.constant_rewards(bare) is None and constant_level(task, [problems[0], bare]) is None
+

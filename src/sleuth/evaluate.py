@@ -12,6 +12,9 @@
 - Standard errors are over problems: sample std (ddof 1) / sqrt(number of problems).
 - chance: the mean over problems of the task's expected reward for uniformly random valid
   answers, when the task knows it.
+- constant: the best mean reward of one fixed answer that ignores the problems (the first listed
+  choice on every line, ...), when the task has such answers: on a small held-out set a policy
+  that learned only that answer can end above chance.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from sleuth.config import Config
 from sleuth.models import encode_chat
 from sleuth.records import Problem, SamplingParams
 from sleuth.rollout.base import GenerationRequest, RolloutEngine, to_groups
-from sleuth.scoring import VerifierRunner, chance_level, mean_se, score_groups
+from sleuth.scoring import VerifierRunner, chance_level, constant_level, mean_se, score_groups
 from sleuth.seeds import derive_seed
 from sleuth.structured import constrained
 from sleuth.tasks.base import Task
@@ -69,6 +72,8 @@ class EvalResult:
     mean_completion_tokens: float
     chance: float | None
     mean_prompt_tokens: float = 0.0
+    constant: float | None = None
+    """The best fixed answer's mean reward on these problems (scoring.constant_level)."""
     time_s: float = 0.0
     per_problem: list[float] = field(default_factory=list)
     """avg@k of each problem, in order (paired comparisons between two evaluations)."""
@@ -176,6 +181,7 @@ def evaluate(
             records.append(record)
     out = summarize(rewards, keys, k, tokens, chance_level(task, problems))
     out.records = records
+    out.constant = constant_level(task, problems)
     out.verifier_errors, out.verifier_timeouts = stats.verifier_errors, stats.verifier_timeouts
     out.warning = stats.all_failed_warning("the evaluation")
     out.mean_prompt_tokens = sum(map(len, prompts)) / max(len(prompts), 1)

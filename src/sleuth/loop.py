@@ -415,6 +415,8 @@ def _val_metrics(val: EvalResult) -> dict[str, Any]:
            "time/eval_s": val.time_s}
     if val.chance is not None:
         out["val/chance"] = val.chance
+    if val.constant is not None:
+        out["val/constant"] = val.constant
     return out
 
 
@@ -471,8 +473,9 @@ def _val_text(val: EvalResult) -> str:
 
 def _val_text_dict(v: dict[str, Any]) -> str:
     chance = "unknown" if v.get("chance") is None else f"{v['chance']:.3f}"
+    constant = "" if v.get("constant") is None else f", best constant answer {v['constant']:.3f}"
     return (f"{v['avg']:.3f} ± {v['avg_se']:.3f} (avg@{v['k']} over {v['problems']} problems; "
-            f"chance {chance})")
+            f"chance {chance}{constant})")
 
 
 def _gain_text(before: dict[str, Any], after: dict[str, Any]) -> str:

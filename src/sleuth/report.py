@@ -276,9 +276,10 @@ def plot_reward_time(rows: Sequence[dict[str, Any]]) -> Plot | None:
     fig, ax = _figure(title, xlabel="minutes since the run started (setup and evaluations included)",
                       ylabel=vkey)
     ax.errorbar(m, v, yerr=se, marker="o", markersize=4, linewidth=1.5, capsize=2, label=vkey)
-    chance = [r["val/chance"] for r in rows if isinstance(r.get("val/chance"), int | float)]
-    if chance:
-        ax.axhline(chance[0], color="gray", linestyle="--", linewidth=1, label=f"chance {chance[0]:.3f}")
+    for key, name, style in (("val/chance", "chance", "--"), ("val/constant", "best constant answer", ":")):
+        level = [r[key] for r in rows if isinstance(r.get(key), int | float)]
+        if level:
+            ax.axhline(level[0], color="gray", linestyle=style, linewidth=1, label=f"{name} {level[0]:.3f}")
     ax.legend(loc="best")
     return Plot("reward_time", title, _png(fig))
 

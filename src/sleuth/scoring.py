@@ -404,6 +404,16 @@ def score_groups(
     return stats
 
 
+def constant_level(task: Task, problems: Sequence[Problem]) -> float | None:
+    """The best mean reward over problems of one fixed answer that ignores them (Task.constant_rewards:
+    the same strategy on every problem), when the task has one for every problem (None otherwise)."""
+    per_problem = [task.constant_rewards(p) for p in problems]
+    if not per_problem or any(not r for r in per_problem):
+        return None
+    names = set.intersection(*(set(r) for r in per_problem if r))
+    return max((sum(r[n] for r in per_problem if r) / len(per_problem) for n in names), default=None)
+
+
 def chance_level(task: Task, problems: Sequence[Problem]) -> float | None:
     """Mean expected reward of uniformly random valid answers over problems, when the task knows
     it for every problem (None otherwise)."""

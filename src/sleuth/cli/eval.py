@@ -169,6 +169,7 @@ def _print_table(s: dict[str, Any], k: int, out: Path) -> None:
         (f"pass@{k}", f"{s['pass_k']:.4f} ± {s['pass_se']:.4f}"),
         (f"maj@{k}", f"{s['maj']:.4f} ± {s['maj_se']:.4f}"),
         ("chance level", chance),
+        *([("best constant answer", f"{s['constant']:.4f}")] if s.get("constant") is not None else []),
         ("mean completion tokens", f"{s['mean_completion_tokens']:.1f}"),
         ("tokens per problem", f"{s['tokens_per_problem']:.0f}"),
         ("verifier errors", f"{s['verifier_errors']} of {s['problems'] * k} samples"),

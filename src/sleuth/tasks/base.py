@@ -56,3 +56,9 @@ class Task(ABC):
     def chance_reward(self, problem: Problem) -> float | None:
         """Expected reward of a uniformly random valid answer, when the task knows it."""
         return None
+
+    def constant_rewards(self, problem: Problem) -> dict[str, float] | None:
+        """The reward of each fixed answer that ignores the problem's content (e.g. `first`: the
+        first listed choice on every line), when the task has such answers: a policy that settles
+        on one of them can pass the chance level on a small held-out set without solving anything."""
+        return None

@@ -16,6 +16,7 @@ prompt itself ends with the answer format. With cfg.list_choices every question 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -41,6 +42,14 @@ def train_seed(seed: int, index: int) -> int:
 def eval_seed(j: int) -> int:
     """Generator seed of the j-th generated held-out puzzle (always odd)."""
     return 2 * j + EVAL_SEED_OFFSET
+
+
+CONSTANT_ANSWERS: dict[str, Callable[[list[str]], str]] = {
+    "first": lambda options: options[0],
+    "second": lambda options: options[min(1, len(options) - 1)],
+    "last": lambda options: options[-1],
+}
+"""Answers that ignore the puzzle: a position among each question's listed choices."""
 
 
 def chance_reward_of(choices: dict[str, list[str]], letters: list[str] | None = None) -> float:
@@ -181,6 +190,14 @@ class TemporalClueTask(Task):
         if not choices:
             return None
         return chance_reward_of(choices, list(problem.answer))
+
+    def constant_rewards(self, problem: Problem) -> dict[str, float] | None:
+        """The sheet naming the first, second or last listed choice on every line, scored."""
+        choices = problem.metadata.get("choices")
+        if not choices or any(not choices.get(q) for q in problem.answer):
+            return None
+        return {name: self.score(problem, "\n".join(f"{q}. {pick(choices[q])}" for q in problem.answer))
+                for name, pick in CONSTANT_ANSWERS.items()}
 
     def __getstate__(self) -> dict[str, Any]:
         # The lru_cache wrapper is not picklable (verifier workers receive the task pickled).
