@@ -24,9 +24,9 @@ from train_step import make_groups
 PROMPT, COMPLETION, GROUPS = 830, 40, 4
 
 
-def time_steps(last_layers: int | None, reps: int) -> tuple[float, int]:
-    """(best step seconds, trainable parameters) for one setting."""
-    cfg = ModelConfig(lora=LoraConfig(enabled=True, rank=16, alpha=32, last_layers=last_layers))
+def time_steps(last_layers: int | None, reps: int, dtype: str = "auto") -> tuple[float, int]:
+    """(best step seconds, trainable parameters) for one setting (bench/reproducible_math.py too)."""
+    cfg = ModelConfig(dtype=dtype, lora=LoraConfig(enabled=True, rank=16, alpha=32, last_layers=last_layers))
     policy = Policy.from_config(cfg, need_reference=False)
     trainer = Trainer(policy, AlgorithmConfig(), TrainerConfig(row_tokens=2048, mini_batches=GROUPS,
                                                                self_check=False), max_tokens=COMPLETION)

@@ -4,6 +4,7 @@ tests train on (built once per test session)."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -11,6 +12,11 @@ import pytest
 import torch
 
 from sleuth.testing.tiny_model import write_tiny_model
+
+# Runs with loop.deterministic ask MKL for reproducible results (loop.reproducible_cpu_math), which
+# MKL reads at its first call: the in-process runs the tests compare subprocess runs against must
+# have it from the start too, or they would compute with MKL's other code paths.
+os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
 LOWERCASE_TASK = '''
 def problems(cfg):

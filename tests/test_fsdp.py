@@ -115,6 +115,20 @@ def assert_close_rel(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> Non
     assert err <= rel, f"relative difference {err:.3g} > {rel}"
 
 
+ADAM_EPS = 1e-8
+"""torch.optim.AdamW's eps, which sleuth's optimizer keeps."""
+
+
+def well_conditioned(state: dict[str, torch.Tensor] | None, like: torch.Tensor) -> torch.Tensor:
+    """The elements whose first AdamW update, lr * g / (|g| + eps), does not hang on g's last bits:
+    |g| above 1000 eps. Where the terms of a gradient element cancel, summing them in another order
+    (over ranks) changes it by percents (measured: 6% at |g| = 2e-8, which moved that weight by
+    1.4e-4 with lr 1e-2); such elements are compared through exp_avg instead. No Adam state: all."""
+    if state is None:
+        return torch.ones_like(like, dtype=torch.bool)
+    return state["exp_avg"].abs() / (1 - trainer_cfg().betas[0]) > 1000 * ADAM_EPS
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_two_ranks_step_equals_single_process(ranks: dict[str, Any], lora: bool) -> None:
@@ -130,11 +144,13 @@ def test_two_ranks_step_equals_single_process(ranks: dict[str, Any], lora: bool)
     moved = 0
     before = make_policy(lora, need_reference=False, seed=SEED[lora]).model.state_dict()
     for name, w in want["weights"].items():
-        assert_close_rel(got["weights"][name], w)
+        keep = well_conditioned(want["optimizer"].get(name), w)
+        assert_close_rel(got["weights"][name][keep], w[keep])
         moved += not torch.equal(before[name], w)
     assert moved > 0  # the step changed weights, so equality is not trivially true
     for name, t in want["merged"].items():  # the full merged weights a weight sync would send
-        assert_close_rel(got["merged"][name], t)
+        keep = well_conditioned(want["optimizer"].get(name), t)
+        assert_close_rel(got["merged"][name][keep], t[keep])
     for name, state in want["optimizer"].items():  # exp_avg = (1 - beta1) x the clipped gradient
         torch.testing.assert_close(got["optimizer"][name]["exp_avg"], state["exp_avg"], rtol=1e-4,
                                    atol=1e-5 * float(state["exp_avg"].abs().max()))

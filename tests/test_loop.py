@@ -63,7 +63,8 @@ def assert_same_run(run: Path, reference: Path, context: str) -> None:
     Why not bit for bit: on this machine a killed-and-resumed run matches bit for bit, but on a CI
     machine the first iteration after a resume differed in the 7th digit of the TIS weight (one
     token's logprob, some ulps) and so in a loss that is ~1e-7 (ratio 1, advantages summing to 0),
-    with every reward, token count and position the same. A resume bug (a lost or repeated problem,
+    with every reward, token count and position the same (MKL's threaded routines, before the loop
+    asked MKL for reproducible results: see the last test here). A resume bug (a lost or repeated problem,
     a stale optimizer or sampling state) moves rewards by >= 1/56 and the gradient norm by far more.
     """
     got, want = stable(read_metrics(run)), stable(read_metrics(reference))
@@ -301,3 +302,25 @@ def test_held_out_line_names_the_chance_level_and_the_best_constant_answer():
     assert _val_text_dict(v | {"constant": None}) == "0.451 ± 0.062 (avg@4 over 16 problems; chance 0.397)"
     assert _val_text_dict(v | {"chance": None, "constant": None}).endswith("; chance unknown)")
 
+
+
+@pytest.mark.slow
+def test_deterministic_runs_in_fresh_processes_agree_to_the_last_bit(setup_files, tmp_path):
+    """loop.deterministic=true: three `sleuth train` processes log the same metrics, floats equal to
+    the last bit, with MKL_CBWR unset in their environment (the loop sets it itself). Without it,
+    MKL's threaded routines made the engine's logprobs, hence TIS weights and losses, differ in the
+    last bits between processes: most sets of three runs here disagreed."""
+    tiny, task_file = setup_files
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    runs = []
+    for i in range(3):
+        out = tmp_path / f"run{i}"
+        args = [*overrides(tiny, task_file, iterations=2), "rollout.max_tokens=16", "loop.tasks_per_iteration=4",
+                "loop.evaluate=false", "--out", str(out)]
+        done = subprocess.run([sys.executable, "-m", "sleuth", "train", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(stable(read_metrics(out)))
+    assert runs[0][-1]["train/loss"] != 0.0
+    assert runs[1] == runs[0]
+    assert runs[2] == runs[0]

@@ -374,7 +374,8 @@ class LoopConfig(Section):
     batch overlaps training (k batches ahead, one-step off-policy at k=1); the update is corrected to
     the behaviour policy by the truncated IS weight, and groups more than k versions old are dropped."""
     deterministic: bool = False
-    """Deterministic torch algorithms and seeded sampling, so a resumed run matches exactly."""
+    """Deterministic torch algorithms, seeded sampling and MKL's reproducible code path
+    (MKL_CBWR=COMPATIBLE, slower CPU matmuls), so a resumed run matches exactly."""
 
 
 class EvalConfig(Section):

@@ -11,6 +11,7 @@ exactly as an uninterrupted run would.
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import sys
@@ -109,6 +110,24 @@ def seed_everything(seed: int, iteration: int, deterministic: bool) -> None:
     torch.manual_seed(mixed)
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def reproducible_cpu_math() -> None:
+    """loop.deterministic: ask Intel MKL (PyTorch's CPU BLAS and vector math) for reproducible
+    results (its "conditional numerical reproducibility", MKL_CBWR=COMPATIBLE).
+
+    Without it, MKL under two threads gave results differing in the last bits from one process to
+    the next for the same inputs: the in-process transformers engine's logprobs took one of three
+    values over ten identical runs (the prefill's rotary cos already differed), and a run killed
+    while saving and resumed with Ray rollout workers left the uninterrupted run's samples in 1-5 of
+    10 tries. With it: 8 of 8 and 10 of 10 identical. The price is MKL's portable code path: on a
+    2-core AVX-512 + AMX CPU the default's training step takes 3.2x as long in float32 and 1.5x in
+    bf16 (bench/reproducible_math.py; docs/benchmarks.md "reproducible_math").
+
+    MKL reads the setting at its first call, so it is set before the run's first matmul; processes
+    started later (Ray workers, FSDP2 ranks) inherit it. A value already in the environment wins.
+    A Python caller that has already run torch matmuls must export it before starting Python."""
+    os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -257,6 +276,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO | None =
     loop.time_budget_min."""
     out = out if out is not None else sys.stdout
     L = cfg.loop
+    if L.deterministic:  # before any matmul of this run (model loading checks run some)
+        reproducible_cpu_math()
     # Started before setup: loading counts against the budget.
     budget = TimeBudget(L.time_budget_min, elapsed_before_s=elapsed_before_s)
     run = setup(cfg, run_dir, resume)
