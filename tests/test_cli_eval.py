@@ -73,6 +73,26 @@ def test_eval_model_folder(files, tmp_path, capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1] == last
 
 
+def test_eval_prints_the_best_constant_answer_of_temporal_clue(files, tmp_path, capsys):
+    """End to end: on a task with constant answers the table and summary.json give the best one's
+    mean reward next to the chance level: what a policy that ignores the puzzles would score."""
+    from sleuth.scoring import constant_level
+    from sleuth.tasks.registry import build_task
+
+    tiny, _ = files
+    out = tmp_path / "out"
+    overrides = ["task.eval_size=3", "rollout.engine=hf", "rollout.max_tokens=4", "model.dtype=float32"]
+    assert main(["eval", "--model", str(tiny), "--task", "temporal_clue", "--k", "1", "--out", str(out),
+                 *overrides]) == 0
+    stdout = capsys.readouterr().out
+    task = build_task(load_config(None, ["task.name=temporal_clue", *overrides]).task)
+    want = constant_level(task, task.eval_problems())
+    summary = json.loads((out / "summary.json").read_text())
+    assert want is not None and summary["constant"] == pytest.approx(want)
+    assert summary["chance"] < summary["constant"] <= 1.0
+    assert f"best constant answer    {want:.4f}".split() in [line.split() for line in stdout.splitlines()]
+
+
 def test_eval_table_gives_the_best_constant_answer_next_to_the_chance_level(capsys, tmp_path):
     """On a task with constant answers (Temporal Clue's held-out set: the first listed choice on
     every line scores 0.4926, chance 0.3968) the table names the best one's mean reward."""
