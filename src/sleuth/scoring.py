@@ -407,11 +407,11 @@ def score_groups(
 def constant_level(task: Task, problems: Sequence[Problem]) -> float | None:
     """The best mean reward over problems of one fixed answer that ignores them (Task.constant_rewards:
     the same strategy on every problem), when the task has one for every problem (None otherwise)."""
-    per_problem = [task.constant_rewards(p) for p in problems]
-    if not per_problem or any(not r for r in per_problem):
+    per_problem = [r for r in (task.constant_rewards(p) for p in problems) if r]
+    if not per_problem or len(per_problem) < len(problems):
         return None
-    names = set.intersection(*(set(r) for r in per_problem if r))
-    return max((sum(r[n] for r in per_problem if r) / len(per_problem) for n in names), default=None)
+    names = set.intersection(*(set(r) for r in per_problem))
+    return max((sum(r[n] for r in per_problem) / len(per_problem) for n in names), default=None)
 
 
 def chance_level(task: Task, problems: Sequence[Problem]) -> float | None:
