@@ -174,18 +174,14 @@ class Sampler:
         r = self.cfg.rollout
         # Guided samples for the problems with an answer pattern (a user task's may lack one).
         n_guided = [r.guided_samples if r.guided_samples and task.answer_pattern(p) else 0 for p in problems]
-        requests = [
-            GenerationRequest(ids, n=r.samples_per_task - g, request_id=f"{iteration}-{j}",
-                              sampling=constrained(replace(self.sampling, seed=request_seed(seed, iteration, j)),
-                                                   task, p, r.structured_output))
-            for j, (p, ids, g) in enumerate(zip(problems, prompts, n_guided, strict=True), start=first_index)
-        ]
-        guided = [  # after the free ones: a vLLM prefix-cache hit on each prompt
-            GenerationRequest(ids, n=g, request_id=f"{iteration}-{j}-guided",
-                              sampling=constrained(replace(self.sampling, seed=derive_seed("guided", seed, iteration, j)),
-                                                   task, p, True))
-            for j, (p, ids, g) in enumerate(zip(problems, prompts, n_guided, strict=True), start=first_index) if g
-        ]
+        jobs = list(enumerate(zip(problems, prompts, n_guided, strict=True), start=first_index))
+        requests = [self._request(task, p, ids, r.samples_per_task - g, f"{iteration}-{j}",
+                                  request_seed(seed, iteration, j), r.structured_output)
+                    for j, (p, ids, g) in jobs]
+        # The guided requests after the free ones: each of their prompts is a vLLM prefix-cache hit.
+        guided = [self._request(task, p, ids, g, f"{iteration}-{j}-guided",
+                                derive_seed("guided", seed, iteration, j), True)
+                  for j, (p, ids, g) in jobs if g]
         results = generate(self.engine, requests + guided, self.progress)
         times["rollout"] += time.perf_counter() - t
         t = time.perf_counter()
@@ -204,6 +200,12 @@ class Sampler:
         times["errors"] += stats.verifier_errors
         times["timeouts"] += stats.verifier_timeouts
         return groups
+
+    def _request(self, task: Task, problem: Problem, ids: list[int], n: int, request_id: str, seed: int,
+                 structured: bool) -> GenerationRequest:
+        """n samples of one prompt with its own seed, under the task's answer pattern when structured."""
+        return GenerationRequest(ids, n=n, request_id=request_id,
+                                 sampling=constrained(replace(self.sampling, seed=seed), task, problem, structured))
 
     def _run_episodes(self, iteration: int, first_index: int, problems: list[Problem], times: dict[str, float],
                       outcomes: list[Any]) -> list[Group]:
