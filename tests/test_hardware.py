@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
+import pytest
 import torch
 
 from sleuth.hardware import (
@@ -12,6 +13,7 @@ from sleuth.hardware import (
     cpu_bf16_fast,
     cpu_description,
     cpu_dtype,
+    onednn_allows_bf16,
     parse_cpuinfo,
     resolve_dtype,
 )
@@ -43,6 +45,25 @@ def test_bf16_verdict_from_flags() -> None:
     assert bf16_fast_with({"avx512f", "avx512_bf16"}, "x86_64")
     assert bf16_fast_with({"fp", "asimd", "bf16"}, "aarch64")
     assert not bf16_fast_with({"avx2", "avx512f"}, "x86_64")  # AVX-512 without its bf16 extension
+
+
+def test_onednn_cap_below_bf16_makes_bf16_slow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ONEDNN_MAX_CPU_ISA=AVX2 makes oneDNN emulate bf16 matmuls whatever the CPU has, so auto
+    must pick float32 under it; caps at or above the bf16 instructions leave the verdict alone."""
+    assert onednn_allows_bf16("") and onednn_allows_bf16("ALL") and onednn_allows_bf16("default")
+    assert onednn_allows_bf16("AVX512_CORE_BF16") and onednn_allows_bf16("avx512_core_amx")
+    assert onednn_allows_bf16("AVX10_1_512_AMX_FP16")
+    for cap in ("AVX2", "avx512_core", "AVX512_CORE_VNNI", "SSE41"):
+        assert not onednn_allows_bf16(cap), cap
+    verdict = cpu_bf16_fast()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    if Path("/proc/cpuinfo").exists():
+        assert not cpu_bf16_fast()
+        assert cpu_dtype("bfloat16") == "float32"
+        if not torch.cuda.is_available():
+            assert resolve_dtype("auto") == "float32"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert cpu_bf16_fast() == verdict
 
 
 def test_this_machine_agrees_with_its_cpuinfo() -> None:

@@ -12,6 +12,7 @@ seconds. The flags come from /proc/cpuinfo (Linux), else from PyTorch's own disp
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from pathlib import Path
 
@@ -57,11 +58,13 @@ def _torch_capability() -> str:
 def cpu_bf16_fast() -> bool:
     """True when this CPU runs bf16 matmuls natively (AVX512_BF16 or AMX on x86; bf16 on Apple/arm).
 
-    An AVX2-only x86 CPU -> False: choose float32 for CPU work there.
+    An AVX2-only x86 CPU -> False: choose float32 for CPU work there. So does a CPU with the flags
+    whose oneDNN is capped below them (ONEDNN_MAX_CPU_ISA, read at each call).
     """
     _, flags = _cpuinfo()
     if flags:
-        return bf16_fast_with(flags, platform.machine())
+        fast = bf16_fast_with(flags, platform.machine())
+        return fast and onednn_allows_bf16(os.environ.get("ONEDNN_MAX_CPU_ISA", ""))
     # No /proc/cpuinfo (macOS, Windows): Apple silicon has bf16; torch's AMX level implies AMX-BF16.
     if platform.system() == "Darwin" and platform.machine() == "arm64":
         return True
@@ -75,6 +78,17 @@ def bf16_fast_with(flags: frozenset[str] | set[str], machine: str) -> bool:
     return "bf16" in flags and machine.lower() in ("aarch64", "arm64")
 
 
+def onednn_allows_bf16(max_isa: str) -> bool:
+    """Whether oneDNN, capped at `max_isa` (ONEDNN_MAX_CPU_ISA), may use native bf16 instructions.
+
+    PyTorch's CPU bf16 matmuls run in oneDNN: capped below AVX512_CORE_BF16 (e.g. `AVX2`, to mimic
+    an older CPU) they fall back to emulation, measured 0.9 GFLOP/s against 638 uncapped on an
+    AVX-512 + AMX Xeon, even though /proc/cpuinfo still lists the bf16 flags.
+    """
+    isa = max_isa.strip().upper()
+    return not isa or isa in ("ALL", "DEFAULT") or any(k in isa for k in ("BF16", "AMX", "FP16", "AVX10"))
+
+
 def cpu_dtype(preferred: str = "bfloat16") -> str:
     """The dtype name to use for CPU compute: `preferred` unless it is bf16 and bf16 is slow here."""
     return preferred if preferred != "bfloat16" or cpu_bf16_fast() else "float32"
@@ -82,8 +96,6 @@ def cpu_dtype(preferred: str = "bfloat16") -> str:
 
 def cpu_description() -> str:
     """One line: CPU model, cores, the matmul-relevant flags, torch's dispatch level, bf16 verdict."""
-    import os
-
     model, flags = _cpuinfo()
     model = model or platform.processor() or platform.machine() or "unknown CPU"
     shown = [f for f in SHOWN_FLAGS if f in flags]
