@@ -55,6 +55,9 @@ def test_onednn_cap_below_bf16_makes_bf16_slow(monkeypatch: pytest.MonkeyPatch) 
     assert onednn_allows_bf16("AVX10_1_512_AMX_FP16")
     for cap in ("AVX2", "avx512_core", "AVX512_CORE_VNNI", "SSE41"):
         assert not onednn_allows_bf16(cap), cap
+    amx = parse_cpuinfo(SAPPHIRE_RAPIDS)[1]
+    assert not bf16_fast_with(amx, "x86_64", "AVX2") and bf16_fast_with(amx, "x86_64", "AVX512_CORE_AMX")
+    assert bf16_fast_with({"fp", "asimd", "bf16"}, "aarch64", "AVX2")  # an x86 cap says nothing on arm
     verdict = cpu_bf16_fast()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     if Path("/proc/cpuinfo").exists():

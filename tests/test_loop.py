@@ -303,7 +303,6 @@ def test_held_out_line_names_the_chance_level_and_the_best_constant_answer():
     assert _val_text_dict(v | {"chance": None, "constant": None}).endswith("; chance unknown)")
 
 
-
 @pytest.mark.slow
 def test_deterministic_runs_in_fresh_processes_agree_to_the_last_bit(setup_files, tmp_path):
     """loop.deterministic=true: three `sleuth train` processes log the same metrics, floats equal to

@@ -58,23 +58,24 @@ def _torch_capability() -> str:
 def cpu_bf16_fast() -> bool:
     """True when this CPU runs bf16 matmuls natively (AVX512_BF16 or AMX on x86; bf16 on Apple/arm).
 
-    An AVX2-only x86 CPU -> False: choose float32 for CPU work there. So does a CPU with the flags
-    whose oneDNN is capped below them (ONEDNN_MAX_CPU_ISA, read at each call).
+    An AVX2-only x86 CPU -> False: choose float32 for CPU work there. So does an x86 CPU with the
+    flags whose oneDNN is capped below them (ONEDNN_MAX_CPU_ISA, read at each call).
     """
+    onednn_cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "")
     _, flags = _cpuinfo()
     if flags:
-        fast = bf16_fast_with(flags, platform.machine())
-        return fast and onednn_allows_bf16(os.environ.get("ONEDNN_MAX_CPU_ISA", ""))
+        return bf16_fast_with(flags, platform.machine(), onednn_cap)
     # No /proc/cpuinfo (macOS, Windows): Apple silicon has bf16; torch's AMX level implies AMX-BF16.
     if platform.system() == "Darwin" and platform.machine() == "arm64":
         return True
-    return "AMX" in _torch_capability().upper()
+    return "AMX" in _torch_capability().upper() and onednn_allows_bf16(onednn_cap)
 
 
-def bf16_fast_with(flags: frozenset[str] | set[str], machine: str) -> bool:
-    """The verdict from a CPU's flags: AVX512_BF16/AMX-BF16 on x86, the bf16 extension on arm."""
+def bf16_fast_with(flags: frozenset[str] | set[str], machine: str, onednn_cap: str = "") -> bool:
+    """The verdict from a CPU's flags: AVX512_BF16/AMX-BF16 on x86 (unless oneDNN is capped below
+    them, `onednn_cap` as ONEDNN_MAX_CPU_ISA spells it), the bf16 extension on arm."""
     if any(f in flags for f in BF16_FLAGS):
-        return True
+        return onednn_allows_bf16(onednn_cap)
     return "bf16" in flags and machine.lower() in ("aarch64", "arm64")
 
 
