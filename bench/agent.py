@@ -1,6 +1,6 @@
 """Agents: what the OpenAI-compatible gateway costs per call, and episode throughput.
 
-    python bench/agent.py [--calls 200] [--episodes 64]
+    python bench/agent.py [--calls 200] [--episodes 64] [--smoke]
 
 (1) Prefix-tree packing against one sequence per call (`--parts 1`, bench/agent_packing.py): one
     training step of 8 episodes x 4 turns (~300-token tool outputs) on SmolLM2-135M, minutes on a CPU.
@@ -15,7 +15,8 @@
 (3) Throughput: 64 concurrent episodes of examples/guess_number.py (4 calls each, 16 tokens per
     call) through the gateway on the tiny model with the transformers engine, against generating
     the same number of calls directly (same prompts, one request per call, all concurrent).
-Last line: `name=value` pairs.
+Last line: `name=value` pairs. --smoke: all three parts, (1) on the tiny model at bench/agent_packing.py's
+smoke sizes, (2) one 8-turn episode, (3) 8 episodes.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ from typing import Any
 import httpx
 import openai
 
-from sleuth.config import TaskConfig
+from _smoke import add_smoke_flag, tiny_model_folder
 from sleuth.gateway.app import Gateway, GatewayServer
-from sleuth.gateway.episodes import last_sampled_run
-from sleuth.hardware import cpu_description
+from sleuth.gateway.history import last_sampled_run
+from sleuth.gateway.runner import EpisodeRunner, SharedHTTP, run_loop
 from sleuth.records import SamplingParams
 from sleuth.rollout.base import GenerationRequest
-from sleuth.tasks.episodes import EpisodeRunner, SharedHTTP, run_loop
+from sleuth.system.hardware import cpu_description
+from sleuth.task_config import EpisodeConfig
 from sleuth.testing.scripted import ScriptedEngine
 from sleuth.testing.tiny_model import build_tokenizer, write_tiny_model
 
@@ -110,8 +112,7 @@ def throughput(episodes: int, model_dir: Path) -> dict[str, float]:
     from sleuth.rollout.hf_engine import HFEngine
 
     engine = HFEngine.from_path(str(model_dir), "float32", context_len=1024)
-    cfg = TaskConfig(name="examples.guess_number:problems", max_turns=guess_number.MAX_GUESSES,
-                     episode_timeout_s=3600)
+    cfg = EpisodeConfig(max_turns=guess_number.MAX_GUESSES, timeout_s=3600)
     runner = EpisodeRunner(guess_number.rollout, engine, engine.tokenizer, cfg, SamplingParams(max_tokens=16))
     problems = [Problem(f"p{j}", [{"role": "user", "content": guess_number.PROMPT}], 37 + j) for j in range(8)]
     runner.run(problems[:1], 2, seed=99)  # warm-up
@@ -152,15 +153,18 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=64)
     parser.add_argument("--parts", default="2,3",
                         help="which parts to run (1: tree packing, minutes; 2: overhead, 3: throughput)")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.calls, args.episodes, args.parts = TURNS, 8, "1,2,3"
     parts = set(args.parts.split(","))
     print(f"cpu: {cpu_description()}", flush=True)
     tree = ""
     if "1" in parts:
-        from agent_packing import run_tree_packing  # bench/ is the script's folder
+        from agent_packing import SMOKE, run_tree_packing  # bench/ is the script's folder
 
         print("(1) prefix-tree packing vs one sequence per call:", flush=True)
-        r = run_tree_packing()
+        r = run_tree_packing(tiny_model_folder(), **SMOKE) if args.smoke else run_tree_packing()
         tree = f"tree_step_speedup={r['tree_step_speedup']:.2f} tree_token_ratio={r['tree_token_ratio']:.2f} "
     else:
         print("(1) prefix-tree packing vs one sequence per call: not run (--parts 1,2,3 runs it)", flush=True)

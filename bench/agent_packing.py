@@ -1,6 +1,6 @@
 """Agent benchmark part (1): a multi-turn batch trained with prefix-tree packing vs one sequence per call.
 
-    .venv/bin/python bench/agent_packing.py [--modes lora] [--reps 2] [--model smollm2-135m-instruct]
+    .venv/bin/python bench/agent_packing.py [--modes lora] [--reps 2] [--model smollm2-135m-instruct] [--smoke]
     (or as part 1 of bench/agent.py: `--parts 1,2,3`)
 
 One group of `--episodes` episodes (8) of `--turns` turns (4) with random token ids: a shared
@@ -14,7 +14,7 @@ packed into rows without padding (block-diagonal causal attention), through the 
 Step times: process CPU seconds (the headline; on a shared machine the wall clock mostly measures
 the other jobs) and wall seconds; the fastest of --reps alternating steps of each layout is kept.
 Last line: tree_step_speedup (per-call CPU s / tree CPU s) and tree_token_ratio (per-call tokens /
-tree tokens).
+tree tokens). --smoke: the tiny model, 2 episodes of 2 turns, one step of each layout.
 """
 
 from __future__ import annotations
@@ -25,14 +25,17 @@ import time
 
 import torch
 
+from _smoke import add_smoke_flag, tiny_model_folder
 from sleuth.config import AlgorithmConfig, LoraConfig, ModelConfig, TrainerConfig
-from sleuth.hardware import cpu_description
 from sleuth.records import Completion, Group, Problem
+from sleuth.system.hardware import cpu_description
 from sleuth.train.packing import pack_groups
 from sleuth.train.policy import Policy
 from sleuth.train.step import Trainer
 
 PROMPT, REPLY, TOOL, TEMPLATE = 150, 60, 300, 5
+SMOKE = {"reps": 1, "episodes": 2, "turns": 2}
+"""run_tree_packing's sizes in a --smoke run (with the tiny model)."""
 
 
 def episode_groups(episodes: int, turns: int, vocab: int, seed: int) -> tuple[list[Group], list[Group]]:
@@ -72,6 +75,7 @@ def run_tree_packing(model: str = "smollm2-135m-instruct", modes: tuple[str, ...
                      episodes: int = 8, turns: int = 4, row_tokens: int = 4096,
                      dtype: str = "float32") -> dict[str, float]:
     """Print the table; return {"tree_step_speedup", "tree_token_ratio"} (of the last mode)."""
+
     print("| mode | layout | sequences | tokens | trained tokens | step s (CPU) | step s (wall) | "
           "self-check max abs dlogp |")
     print("|---|---|---|---|---|---|---|---|")
@@ -111,7 +115,10 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--row-tokens", type=int, default=4096)
     ap.add_argument("--dtype", default="float32", help="float32 on CPUs without fast bf16 (AVX2)")
+    add_smoke_flag(ap)
     a = ap.parse_args()
+    if a.smoke:
+        a.model, a.reps, a.episodes, a.turns = tiny_model_folder(), SMOKE["reps"], SMOKE["episodes"], SMOKE["turns"]
     torch.manual_seed(0)
     print(f"# cpu: {cpu_description()}", flush=True)  # run alone, not as part 1 of bench/agent.py
     print(f"# threads={torch.get_num_threads()} dtype={a.dtype}", flush=True)

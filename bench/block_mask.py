@@ -1,11 +1,12 @@
 """BlockMask construction for a packed row: create_block_mask (mask function on every pair) vs
 the layout-built mask (block_mask.py), side by side in one run.
 
-    python bench/block_mask.py [--device cuda] [--reps 5]
+    python bench/block_mask.py [--device cuda] [--reps 5] [--smoke]
 
 Rows of 16k tokens in the Temporal Clue shape (1,000-token prompts, 8 completions of 200 each)
 and the AIME shape (150-token prompts, 8 completions of 1,000). Reports the best of --reps after
-one untimed build, and checks both masks are the same block for block.
+one untimed build, and checks both masks are the same block for block. --smoke: 8k-token rows (the
+shortest the AIME shape fits in), one timed build.
 Last line: `name=value` pairs.
 """
 
@@ -19,10 +20,11 @@ from functools import partial
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from sleuth.hardware import cpu_description
+from _smoke import add_smoke_flag
 from sleuth.records import Completion, Group, Problem
-from sleuth.train.attention import packed_mask_mod
-from sleuth.train.block_mask import layout_block_mask
+from sleuth.system.hardware import cpu_description
+from sleuth.train.kernels.block_mask import layout_block_mask
+from sleuth.train.kernels.packed_attention import packed_mask_mod
 from sleuth.train.packing import pack_groups
 
 SHAPES = {"clue": (1000, 200), "aime": (150, 1000)}
@@ -59,7 +61,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--reps", type=int, default=5)
+    add_smoke_flag(ap)
     a = ap.parse_args()
+    if a.smoke:
+        a.tokens, a.reps = 8192, 1
     dev = torch.device(a.device)
     print(f"# cpu: {cpu_description()}", flush=True)
     print(f"# device {dev}, {a.tokens}-token rows, torch {torch.__version__}")

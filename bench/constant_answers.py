@@ -1,16 +1,17 @@
 """Constant answers on Temporal Clue: what a policy that ignores the puzzle scores.
 
-    .venv/bin/python bench/constant_answers.py [--puzzles 200] [--samples RUN_DIR/eval-.../samples.jsonl]
+    .venv/bin/python bench/constant_answers.py [--recipe temporal_clue] [--puzzles 200] [--samples RUN_DIR/eval-.../samples.jsonl] [--smoke]
 
 A policy can beat the chance level (a uniformly random listed choice on every line, `val/chance`)
 without reading the puzzle, by always naming the same position of each question's listed
 choices. This scores the first, second and last listed choice on every line against the chance
-level, on the embedded default's held-out set (its first task.eval_size puzzles) and on --puzzles
+level, on a recipe's held-out set (--recipe, default the main job's) (its first task.eval_size puzzles) and on --puzzles
 puzzles of the same generator (the held-out seeds continued), so a held-out reward can be read
 against what a constant answer gets on the same puzzles. With --samples (a `sleuth eval`
 samples.jsonl on that held-out set, or on the first N puzzles with `task.eval_size=N`, N up to
 --puzzles) it also prints the share of the answer lines that name each question's first listed
-choice. Last line: `first_heldout=… first_many=… chance_many=…`.
+choice. Last line: `first_heldout=… first_many=… chance_many=…`. --smoke: --puzzles 16 (the held-out set
+alone).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import json
 import re
 from pathlib import Path
 
-from sleuth.cli.train import default_config_path
+from _smoke import add_smoke_flag
+from sleuth.cli.train import DEFAULT_RECIPE, recipes
 from sleuth.config import load_config
-from sleuth.hardware import cpu_description
 from sleuth.records import Problem
+from sleuth.system.hardware import cpu_description
 from sleuth.tasks.base import Task
 from sleuth.tasks.registry import build_task
 from sleuth.tasks.temporal_clue.dataset import parse_choices
@@ -33,7 +35,9 @@ _LINE = re.compile(r"([A-Z])\. (.+)$")
 
 
 def choices_of(problem: Problem) -> dict[str, list[str]]:
-    return parse_choices(problem.messages[-1]["content"])
+    """Each question's choices in the order the prompt lists them (shuffled per question since the
+    choices are listed in a seeded order), else derived from the puzzle."""
+    return problem.metadata.get("choices") or parse_choices(problem.messages[-1]["content"])
 
 
 def constant_scores(task: Task, problems: list[Problem]) -> dict[str, float]:
@@ -62,13 +66,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--puzzles", type=int, default=200, help="puzzles of the held-out generator to score")
     parser.add_argument("--samples", type=Path, default=None, help="a `sleuth eval` samples.jsonl to compare")
+    parser.add_argument("--recipe", default=DEFAULT_RECIPE, help="whose held-out set (a shipped recipe's name)")
+    add_smoke_flag(parser)
     args = parser.parse_args()
-    cfg = load_config(default_config_path())
+    if args.recipe not in recipes():
+        parser.error(f"--recipe {args.recipe}: not a shipped recipe ({', '.join(recipes())})")  # exit 2
+    cfg = load_config(recipes()[args.recipe])
+    if args.smoke:
+        args.puzzles = cfg.task.eval_size
     if args.puzzles < cfg.task.eval_size:
         parser.error(f"--puzzles {args.puzzles}: at least the held-out set's {cfg.task.eval_size}")  # exit 2
     if args.samples is not None and not args.samples.is_file():
         parser.error(f"--samples {args.samples}: no such file")
-    task = build_task(load_config(default_config_path(), [f"task.eval_size={args.puzzles}"]).task)
+    task = build_task(load_config(recipes()[args.recipe], [f"task.eval_size={args.puzzles}"]).task)
     many = task.eval_problems()
     sets = {f"held-out ({cfg.task.eval_size})": many[: cfg.task.eval_size], f"generator ({len(many)})": many}
     print(f"# cpu: {cpu_description()}")

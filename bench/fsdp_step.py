@@ -1,6 +1,6 @@
 """FSDP2 step benchmark: the training step sharded over ranks against the single-process step.
 
-    .venv/bin/python bench/fsdp_step.py [--model smollm2-135m-instruct] [--ranks 2] [--threads 2]
+    .venv/bin/python bench/fsdp_step.py [--model smollm2-135m-instruct] [--ranks 2] [--threads 2] [--smoke]
     .venv/bin/python bench/fsdp_step.py --gpu      # world size 1 FSDP2 vs the plain trainer (CUDA)
 
 CPU (default): the same batch (random token ids, --groups groups x 8 completions) through the
@@ -11,6 +11,8 @@ gloo, float32) with --threads / --ranks threads each: the same total cores. Best
 --gpu: on the ~0.5B random-init model of bench/gpu_train_step.py (bf16), the plain Trainer
 against an FSDP2 process group of one rank (float32 sharded parameters, bf16 compute). Last line
 `fsdp2_gpu_overhead=<FSDP2 step s / plain step s - 1>`. Without CUDA it stops with one line.
+
+--smoke: the CPU comparison on the tiny model, 2 ranks of one thread, two groups of short completions.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from _smoke import add_smoke_flag, tiny_model_folder
 from sleuth.config import AlgorithmConfig, LoraConfig, ModelConfig, TrainerConfig
-from sleuth.hardware import cpu_description
+from sleuth.system.hardware import cpu_description
 from sleuth.train.policy import Policy
 from sleuth.train.step import Trainer
 from train_step import make_groups
@@ -102,7 +105,7 @@ def run_cpu(a: argparse.Namespace) -> float:
 def gpu_policy(a: argparse.Namespace, device: torch.device) -> Policy:
     """The ~0.5B random-init model of bench/gpu_train_step.py, bf16, flex_attention."""
     from sleuth.testing.tiny_model import build_model, build_tokenizer
-    from sleuth.train.attention import backend_for
+    from sleuth.train.kernels.packed_attention import backend_for
 
     model = build_model(1536, 24, 12, 4, seed=0, vocab_size=32000, max_positions=8192).to(torch.bfloat16)
     with torch.no_grad():
@@ -157,7 +160,11 @@ def main() -> None:
     ap.add_argument("--completion", type=int, help="completion tokens: default 64 (CPU), 200 (GPU)")
     ap.add_argument("--row-tokens", type=int, help="default 1024 (CPU), 16384 (GPU)")
     ap.add_argument("--reps", type=int, default=2)
+    add_smoke_flag(ap)
     a = ap.parse_args()
+    if a.smoke:
+        a.gpu, a.model, a.ranks, a.threads, a.reps = False, tiny_model_folder(), 2, 2, 1
+        a.groups, a.prompt, a.completion, a.row_tokens = 2, 30, 8, 256  # a row for each rank
     defaults = (8, 1000, 200, 16384) if a.gpu else (4, 300, 64, 1024)
     for key, value in zip(("groups", "prompt", "completion", "row_tokens"), defaults):
         if getattr(a, key) is None:

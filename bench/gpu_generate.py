@@ -1,6 +1,6 @@
 """Generation speed of the transformers engine: growing-cache decoding vs CUDA-graph decode steps.
 
-    python bench/gpu_generate.py [--device cuda] [--quick]
+    python bench/gpu_generate.py [--device cuda] [--quick | --smoke]
 
 Two random-init bf16 models built in the script (nothing to download):
 - the issue's shape: a ~0.2B byte-level model (hidden 1024, 16 layers), 8 prompts x 8 samples x
@@ -10,7 +10,8 @@ Two random-init bf16 models built in the script (nothing to download):
   graphs only, with the decode step time against the memory-bandwidth bound (weight bytes / 4.3 TB/s,
   the H200's HBM3e; KV reads not counted).
 Each setting runs once untimed first (kernels, captures, allocator), then timed. Tokens/s counts
-generated tokens over wall time (prefill included). `--quick` shrinks everything for a CPU dry run.
+generated tokens over wall time (prefill included). `--quick` (or `--smoke`) shrinks everything for a
+CPU dry run.
 Last line: `name=value` pairs.
 """
 
@@ -21,11 +22,12 @@ import time
 
 import torch
 
-from sleuth.attention import PACKED, register_packed_attention
-from sleuth.hardware import cpu_description, cpu_dtype
+from _smoke import add_smoke_flag
 from sleuth.records import SamplingParams
 from sleuth.rollout.base import GenerationRequest
 from sleuth.rollout.hf_engine import HFEngine
+from sleuth.system.attention import PACKED, register_packed_attention
+from sleuth.system.hardware import cpu_description, cpu_dtype
 from sleuth.testing.tiny_model import build_model, build_tokenizer
 
 HBM_BYTES_PER_S = 4.3e12
@@ -70,7 +72,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a CPU dry run of the script")
+    add_smoke_flag(ap)
     a = ap.parse_args()
+    a.quick = a.quick or a.smoke  # --smoke is --quick: the tiny model's sizes
     dev = torch.device(a.device)
     on_cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if on_cuda else getattr(torch, cpu_dtype())

@@ -1,6 +1,6 @@
 """GPU check for the training core: a packed step with the flex_attention mask vs the naive layout.
 
-    python bench/gpu_train_step.py [--device cuda] [--hidden 1536 --layers 24] [--groups 8]
+    python bench/gpu_train_step.py [--device cuda] [--hidden 1536 --layers 24] [--groups 8] [--smoke]
 
 Builds a ~0.5B random-init Llama-style model in the script (nothing to download), bf16, and on
 the Temporal-Clue-shaped batch (groups x 8 completions, prompt 1,000, completions 200) and the
@@ -9,6 +9,7 @@ the self-check slice (the packed mask must match separate sequences), step time 
 packed step and of the naive padded layout (best of --reps after a warm-up step), tokens/s, and
 MFU against a bf16 matmul measured in the same run. On CUDA the policy uses flex_attention with a
 BlockMask (sleuth's GPU path); on CPU (for a dry run of the script) sleuth_packed attention.
+--smoke: the tiny model's sizes, one group at a twentieth of each shape's lengths (on CPU without CUDA).
 Last line: `name=value` pairs.
 """
 
@@ -18,15 +19,16 @@ import argparse
 
 import torch
 
+from _smoke import add_smoke_flag
 from sleuth.config import AlgorithmConfig, LoraConfig, ModelConfig, TrainerConfig
-from sleuth.hardware import cpu_description, cpu_dtype
+from sleuth.system.hardware import cpu_description, cpu_dtype
 from sleuth.testing.tiny_model import build_model, build_tokenizer
-from sleuth.train.attention import backend_for
+from sleuth.train.kernels.packed_attention import backend_for
 from sleuth.train.optim import measure_matmul_flops
 from sleuth.train.packing import pack_groups
 from sleuth.train.policy import Policy
 from sleuth.train.step import Trainer
-from train_step import PER_GROUP, SHAPES, make_groups, naive_step
+from train_step import PER_GROUP, SHAPES, SMOKE_SHAPES, make_groups, naive_step
 
 
 def main() -> None:
@@ -43,12 +45,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, default=8, help="naive layout: sequences per forward")
     ap.add_argument("--row-tokens", type=int, default=16384)
+    add_smoke_flag(ap)
     a = ap.parse_args()
+    if a.smoke:  # sleuth.testing.tiny_model's sizes, every mode and shape
+        a.hidden, a.layers, a.heads, a.kv_heads, a.vocab, a.groups, a.reps = 64, 2, 4, 2, 272, 1, 1
     dev = torch.device(a.device)
     print(f"# cpu: {cpu_description()}", flush=True)
     # bf16 on the GPU; on a CPU only where it accelerates bf16 (else float32, ~50x faster there)
     dtype = getattr(torch, "bfloat16" if dev.type == "cuda" else cpu_dtype())
-    peak = measure_matmul_flops(dtype, dev, n=4096 if dev.type == "cuda" else 1024)
+    peak = measure_matmul_flops(dtype, dev, n=256 if a.smoke else 4096 if dev.type == "cuda" else 1024)
     print(f"# device {dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}), "
           f"{dtype} matmul measured: {peak / 1e12:.1f} TFLOP/s, attention: {backend_for(dev)}", flush=True)
     print("| mode | shape | layout | tokens | step s | tokens/s | MFU | self-check max / mean abs dlogp | peak GB |")
@@ -71,7 +76,7 @@ def main() -> None:
         body, head = policy.matmul_parameters()
         print(f"# {mode}: {n_params / 1e9:.2f}B parameters", flush=True)
         for shape in a.shapes.split(","):
-            p_len, c_len = SHAPES[shape]
+            p_len, c_len = (SMOKE_SHAPES if a.smoke else SHAPES)[shape]
             groups = make_groups(a.groups, p_len, c_len, a.vocab, seed=1)
             trainer = Trainer(policy, AlgorithmConfig(), TrainerConfig(lr=1e-7, row_tokens=a.row_tokens,
                                                                        self_check=False),

@@ -1,7 +1,7 @@
 """Benchmark: the Temporal Clue grader on 100 kB completions (target: under 10 ms each), and the
-cost of running verifiers through sleuth.scoring (worker process vs inline).
+cost of running verifiers through sleuth.rewards.verifier (worker process vs inline).
 
-    .venv/bin/python bench/grade.py [--calls 50]
+    .venv/bin/python bench/grade.py [--calls 50] [--smoke]
 
 Completions: realistic reasoning text with and without an answer sheet at the end, and
 adversarial ones (a marker on every few characters, one huge line, unicode). Prints ms per call
@@ -17,9 +17,10 @@ import argparse
 import statistics
 import time
 
-from sleuth.hardware import cpu_description
+from _smoke import add_smoke_flag
 from sleuth.records import Completion, Group, Problem
-from sleuth.scoring import VerifierRunner, score_groups
+from sleuth.rewards.verifier import VerifierRunner, score_groups
+from sleuth.system.hardware import cpu_description
 from sleuth.tasks.temporal_clue import grade
 from sleuth.tasks.temporal_clue.task import TemporalClueTask
 
@@ -56,7 +57,10 @@ def inputs() -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=50)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:  # two calls per input, four groups to score
+        args.calls = 2
     print(f"# cpu: {cpu_description()}", flush=True)
     rows = []
     for name, text in inputs().items():
@@ -71,7 +75,7 @@ def main() -> None:
     for name, n, med, mx in rows:
         print(f"{name:<24} {n:>8} {med:>10.2f} {mx:>8.2f}")
     worst = max(r[2] for r in rows[2:])
-    per_completion = scoring_overheads()
+    per_completion = scoring_overheads(4 if args.smoke else 64)
     print(
         f"grade_100kb_ms={rows[0][2]:.2f} grade_100kb_full_scan_ms={rows[1][2]:.2f} "
         f"grade_100kb_adversarial_worst_ms={worst:.2f} score_process_us={per_completion['process']:.0f} "

@@ -1,6 +1,6 @@
 """Learning per minute: the embedded default against each lever of issue 14 and their combination.
 
-    .venv/bin/python bench/learning.py [--minutes 4] [--arms default,dynamic,...] [--seeds 0] [--out DIR]
+    .venv/bin/python bench/learning.py [--minutes 4] [--arms default,dynamic,...] [--seeds 0] [--out DIR] [--smoke]
 
 Every arm is `sleuth train` (the embedded default config) with the arm's overrides and a wall-clock
 budget of --minutes (loop.time_budget_min), run in a fresh process one after another. All arms
@@ -14,6 +14,13 @@ averaged over seeds.
 
 The combination is fixed in advance (every lever that keeps the task as it is) and nothing is tuned
 on the held-out set.
+
+--diagnostics N: after each run, `sleuth eval RUN_DIR --ablate-clues --permute-options` on N held-out
+puzzles (one sample each) adds two columns, each paired per puzzle against the unchanged puzzles:
+`ablate` (clues removed: a policy that reads the clues drops) and `permute` (listed choices moved to
+other positions: a policy that reasons does not move), as difference ± standard error.
+--smoke: the `default` arm for one iteration on the tiny model (_smoke.default_run_overrides);
+with --diagnostics N the diagnostic pass follows on that run (the tests run both).
 """
 
 from __future__ import annotations
@@ -28,10 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sleuth.checkpoint import CheckpointManager
-from sleuth.hardware import cpu_description
-from sleuth.metrics import upgrade_row
-from sleuth.scoring import mean_se
+from _smoke import add_smoke_flag, default_run_overrides, tiny_model_folder
+from sleuth.eval.stats import mean_se
+from sleuth.run.checkpoint import CheckpointManager
+from sleuth.run.metrics import read_metrics
+from sleuth.system.hardware import cpu_description
 
 RAW = ["algorithm.constrained_logprobs=false"]
 TOP = ["rollout.guided_samples=0"]
@@ -43,7 +51,7 @@ SHEET = [*TOP, "model.lora.last_layers=null"]
 joined it the same evening (the `sheet` arm's levers, LoRA on every layer): the arms of
 _OVER_SHEET were measured over it and keep it underneath."""
 EARLIER = [*SHEET, "algorithm.credit=sequence", "algorithm.format_reward=0", "trainer.mini_batches=1",
-           "task.stop_after_sheet=false"]
+           "task.temporal_clue.stop_after_sheet=false"]
 """The embedded default until 2026-12-04 16:10 (before `sheet` became it): every arm of _ARMS was
 measured against it and keeps it underneath, so its figures in docs/benchmarks.md stay reproducible."""
 _ARMS: dict[str, list[str]] = {
@@ -51,7 +59,7 @@ _ARMS: dict[str, list[str]] = {
     "dynamic": ["algorithm.dynamic_sampling=true"],
     "overlong": ["algorithm.mask_truncated=true", "algorithm.overlong_buffer=16"],
     "overlap": ["loop.max_staleness=1"],
-    "curriculum": ["task.difficulty=1 -> 2 at 0.6"],
+    "curriculum": ["task.temporal_clue.difficulty=1 -> 2 at 0.6"],
     "format": ["algorithm.format_reward=0.5"],
     "bf16": ["model.dtype=bfloat16"],
     # Structured output with the trainer scoring the raw model (as first measured) ...
@@ -83,12 +91,12 @@ _ARMS: dict[str, list[str]] = {
     # The same with one optimizer step per group (trainer.mini_batches=4): four updates an
     # iteration at the same compute, each later group corrected by the IS weight.
     "answer_format_mb": ["algorithm.credit=answer", "algorithm.format_reward=0.5", "trainer.mini_batches=4"],
-    # ... and each completion ended where the sheet ends (task.stop_after_sheet): no answers to
+    # ... and each completion ended where the sheet ends (task.temporal_clue.stop_after_sheet): no answers to
     # questions that do not exist, whose room names took the whole completion's advantage.
     # The stop alone on the default: which part of `sheet` the gain comes from.
-    "stop": ["task.stop_after_sheet=true"],
+    "stop": ["task.temporal_clue.stop_after_sheet=true"],
     "sheet": ["algorithm.credit=answer", "algorithm.format_reward=0.5", "trainer.mini_batches=4",
-              "task.stop_after_sheet=true"],
+              "task.temporal_clue.stop_after_sheet=true"],
     "combined": ["algorithm.dynamic_sampling=true", "algorithm.mask_truncated=true",
                  "algorithm.overlong_buffer=16", "loop.max_staleness=1"],
 }
@@ -118,19 +126,42 @@ _OVER_TOP: dict[str, list[str]] = {
     # Above chance on seeds 0-3, now the default.
     "guided": ["rollout.guided_samples=1"],
 }
-ARMS: dict[str, list[str]] = {"default": [], **{name: [*EARLIER, *o] for name, o in _ARMS.items()},
-                              **{name: [*SHEET, *o] for name, o in _OVER_SHEET.items()},
-                              **{name: [*TOP, *o] for name, o in _OVER_TOP.items()}}
-"""`default` is the embedded default as it is now (`guided`'s configuration); the arms of _OVER_TOP
-change the `top` default, those of _OVER_SHEET the `sheet` default, the others the earlier one."""
-DEFAULT_ARMS = "default,sheet,earlier"
+_OVER_DEFAULT: dict[str, list[str]] = {
+    # The ladder below difficulty 1 (issue 42), fixed before any was run: climb from one-clue lookups
+    # through one and two eliminations to difficulty 1 as the training reward passes each threshold,
+    # the easier rung fading out over 8 iterations; held out at difficulty 1 like every other arm.
+    "ladder": ["task.temporal_clue.difficulty=lookup -> elim1 at 0.7 -> elim2 at 0.7 -> 1 at 0.6", "task.temporal_clue.curriculum_fade=8",
+               "task.temporal_clue.eval_difficulty=1"],
+}
+_OVER_WARM: dict[str, list[str]] = {
+    # Over the warm-start default (the `temporal_clue` recipe since 2026-12-06): the same minutes
+    # without the SFT phase (RL alone on the deduce form), and answering directly instead of
+    # deducing (a warm start on the deduction needs the deduce form, so RL alone there too).
+    "no_warm_start": ["sft.warm_start=false"],
+}
+DIRECT = "temporal_clue_direct"
+"""The recipe of the main job until 2026-12-06 (direct answers at difficulty 1, LoRA, 16 held-out
+puzzles): `direct` runs it as it is, and every arm measured before that day keeps it underneath."""
+ARMS: dict[str, list[str]] = {"default": ["temporal_clue"], "direct": [DIRECT],
+                              **{name: [DIRECT, *EARLIER, *o] for name, o in _ARMS.items()},
+                              **{name: [DIRECT, *SHEET, *o] for name, o in _OVER_SHEET.items()},
+                              **{name: [DIRECT, *TOP, *o] for name, o in _OVER_TOP.items()},
+                              **{name: [DIRECT, *o] for name, o in _OVER_DEFAULT.items()},
+                              **{name: ["temporal_clue", *o] for name, o in _OVER_WARM.items()}}
+"""Each arm: a recipe name, then its overrides. `default` is the main job as it is now (the
+`temporal_clue` recipe); `direct` the main job before it (`guided`'s configuration); the arms of
+_OVER_TOP change the `top` default, those of _OVER_SHEET the `sheet` default, the rest of the older
+arms the earlier one, all over the `temporal_clue_direct` recipe."""
+DEFAULT_ARMS = "default,no_warm_start,direct"
 
 
-def run_arm(name: str, seed: int, minutes: float, eval_every: int, out: Path) -> dict[str, Any]:
+def run_arm(name: str, seed: int, minutes: float, eval_every: int, out: Path,
+            extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`extra`: overrides after the arm's own (--smoke's tiny model and sizes)."""
     run_dir = out / f"{name}-seed{seed}"
     args = [sys.executable, "-m", "sleuth", "train", *ARMS[name], f"loop.time_budget_min={minutes}",
             f"loop.eval_every={eval_every}", f"loop.seed={seed}", "loop.iterations=1000",
-            "logging.tensorboard=false", "--out", str(run_dir)]
+            "logging.tensorboard=false", *extra, "--out", str(run_dir)]
     start = time.perf_counter()
     proc = subprocess.run(args, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -140,7 +171,7 @@ def run_arm(name: str, seed: int, minutes: float, eval_every: int, out: Path) ->
 
 
 def summarize(run_dir: Path, name: str, seed: int, wall_s: float) -> dict[str, Any]:
-    rows = [upgrade_row(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     latest = CheckpointManager(run_dir / "checkpoints").latest()
     if latest is None:  # the budget was spent before a first iteration could start
         before = after = {"avg": rows[0]["val/reward"], "chance": rows[0].get("val/chance"), "per_problem": [0.0]}
@@ -154,13 +185,36 @@ def summarize(run_dir: Path, name: str, seed: int, wall_s: float) -> dict[str, A
             "chance": before.get("chance"), "gain": gain, "gain_se": se, "curve": curve}
 
 
+def diagnose(model: str | Path, out: Path, size: int, overrides: list[str] = ()) -> dict[str, Any]:  # type: ignore[assignment]
+    """`sleuth eval MODEL --ablate-clues --permute-options` on `size` held-out puzzles, one sample
+    each: the unchanged score, and each diagnostic's paired difference with its standard error."""
+    args = [sys.executable, "-m", "sleuth", "eval", "--model", str(model), "--k", "1", "--ablate-clues",
+            "--permute-options", "--out", str(out), f"task.eval_size={size}", *overrides]
+    proc = subprocess.run(args, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"diagnostics of {model} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    d = summary["diagnostics"]
+    return {"avg": summary["avg"], "avg_se": summary["avg_se"], "constant": summary["constant"],
+            "chance": summary["chance"], "eval_s": summary["time_s"], "per_kind": summary["per_kind"],
+            **{f"{name}_{key}": d[name][key] for name in ("ablate_clues", "permute_options")
+               for key in ("difference", "difference_se", "time_s") if key in d[name]}}
+
+
+def _diag(r: dict[str, Any], name: str) -> str:
+    if f"{name}_difference" not in r:
+        return ""
+    return f" {r[f'{name}_difference']:>+7.3f}±{r[f'{name}_difference_se']:.3f}"
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
+    diag = any("ablate_clues_difference" in r for r in results)
     print(f"{'arm':<14} {'seed':>4} {'iters':>5} {'run_min':>7} {'wall_min':>8} {'before':>6} {'after':>6} "
-          f"{'chance':>6} {'gain':>7} {'se':>6}")
+          f"{'chance':>6} {'gain':>7} {'se':>6}" + (f" {'ablate':>13} {'permute':>13}" if diag else ""))
     for r in results:
         print(f"{r['arm']:<14} {r['seed']:>4} {r['iterations']:>5} {r['run_min']:>7.2f} {r['wall_min']:>8.2f} "
               f"{r['before']:>6.3f} {r['after']:>6.3f} {r['chance'] or math.nan:>6.3f} {r['gain']:>+7.3f} "
-              f"{r['gain_se']:>6.3f}")
+              f"{r['gain_se']:>6.3f}{_diag(r, 'ablate_clues')}{_diag(r, 'permute_options')}")
     print("\nheld-out reward against wall-clock minutes (minutes:reward)")
     for r in results:
         points = "  ".join(f"{m:.2f}:{v:.3f}" for m, v in r["curve"])
@@ -176,7 +230,17 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="where the runs go (default: a temporary folder)")
     parser.add_argument("--reuse", action="store_true",
                         help="summarize runs already complete in --out instead of running them again")
+    parser.add_argument("--diagnostics", type=int, default=0, metavar="N",
+                        help="after each run, clue ablation and option permutation on N held-out puzzles")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.diagnostics < 0:
+        parser.error(f"--diagnostics {args.diagnostics}: expected a number of puzzles >= 0")
+    extra: tuple[str, ...] = ()
+    if args.smoke:
+        args.arms, args.seeds, args.minutes = "default", "0", 5.0
+        extra = (*default_run_overrides(), "loop.iterations=1")
+        args.out = args.out or str(Path(tiny_model_folder()).parent / "runs")  # removed at exit with the model
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
@@ -197,8 +261,10 @@ def main() -> None:
             if args.reuse and (done / "model").is_dir():
                 results.append(summarize(done, name, seed, walls.get((name, seed), math.nan)))
             else:
-                results.append(run_arm(name, seed, args.minutes, args.eval_every, out))
+                results.append(run_arm(name, seed, args.minutes, args.eval_every, out, extra))
             r = results[-1]
+            if args.diagnostics:
+                r.update(diagnose(done, done / "eval-diagnostics", args.diagnostics))
             print(f"# {name} seed {seed}: {r['iterations']} iterations, {r['after']:.3f} after "
                   f"({r['gain']:+.3f} ± {r['gain_se']:.3f})", flush=True)
     (out / "learning.json").write_text(json.dumps(results, indent=1))

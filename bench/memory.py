@@ -1,6 +1,7 @@
 """Where the default run's resident memory goes: peak RSS per stage of `sleuth train`.
 
     .venv/bin/python bench/memory.py [key=value ...]     # overrides on top of the default config
+    .venv/bin/python bench/memory.py --smoke [key=value ...]   # the same on the tiny model, in seconds
 
 Runs the default config (plus overrides; default loop.iterations=2) in this process and samples the
 resident set (/proc/self/status VmRSS) every 50 ms, attributing each sample to the stage running:
@@ -30,14 +31,16 @@ from typing import Any
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from sleuth import loop, sampling
-from sleuth.allocator import allocator_in_use
+from _smoke import default_run_overrides
 from sleuth.cli.train import default_config_path
 from sleuth.config import load_config
-from sleuth.hardware import cpu_description
-from sleuth.metrics import upgrade_row
+from sleuth.loop import batch as sampling
+from sleuth.loop import train as loop
 from sleuth.rollout import factory
-from sleuth.sync import WeightSync
+from sleuth.rollout.sync import WeightSync
+from sleuth.run.metrics import read_metrics
+from sleuth.system.allocator import allocator_in_use
+from sleuth.system.hardware import cpu_description
 
 GB = 1024**3
 
@@ -92,8 +95,8 @@ def step_only(row_tokens: int, steps: int) -> None:
     import resource
 
     from sleuth.config import AlgorithmConfig, LoraConfig, ModelConfig, TrainerConfig
-    from sleuth.hardware import resolve_dtype
-    from sleuth.models import SMOLLM2_ALIAS, resolve_model_path
+    from sleuth.system.hardware import resolve_dtype
+    from sleuth.system.models import SMOLLM2_ALIAS, resolve_model_path
     from sleuth.train.policy import Policy
     from sleuth.train.step import Trainer
     from train_step import make_groups  # bench/train_step.py: the same random-id groups
@@ -126,7 +129,9 @@ def main() -> None:
         steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 3
         step_only(int(sys.argv[at + 1]), steps)
         return
-    overrides = ["loop.iterations=2", *sys.argv[1:]]
+    args = [arg for arg in sys.argv[1:] if arg != "--smoke"]
+    smoke = default_run_overrides() if len(args) < len(sys.argv[1:]) else []
+    overrides = ["loop.iterations=2", *smoke, *args]
     print(f"# cpu: {cpu_description()}", flush=True)
     print(f"# overrides: {' '.join(overrides)}; allocator: {allocator_in_use()}; "
           f"MALLOC_ARENA_MAX={os.environ.get('MALLOC_ARENA_MAX', '-')}", flush=True)
@@ -142,9 +147,7 @@ def main() -> None:
         start = time.perf_counter()
         loop.train(cfg, Path(tmp) / "run", out=sys.stderr)
         total = time.perf_counter() - start
-        import json
-
-        rows = [upgrade_row(json.loads(line)) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(Path(tmp) / "run")
     print("| stage | peak RSS GB |")
     print("|---|---|")
     for stage, peak in meter.peaks.items():

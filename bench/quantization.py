@@ -1,14 +1,15 @@
 """LoRA on a quantized base (model.quantization): weight memory, train step time, self-check difference.
 
     .venv/bin/python bench/quantization.py [--model smollm2-135m-instruct] [--random HIDDEN,LAYERS]
-                                           [--modes none,int8,nf4] [--groups 2] [--no-step]
+                                           [--modes none,int8,nf4] [--groups 2] [--no-step] [--smoke]
 
 For each mode: resident weight memory of the loaded model (transformers' get_memory_footprint)
 against the same model loaded in bf16, the trainer's step time on a fixed batch (groups x 8
 completions, prompt 200 tokens, completions 64 tokens, random token ids, LoRA r=16, compute in
 float32), and the first step's packed-vs-separate self-check logprob difference (max, mean).
 --random H,L adds a random-init Llama of hidden size H and L layers (written to a temp folder).
-Ends with one line `name=value ...` of the 4-bit memory ratios.
+Ends with one line `name=value ...` of the 4-bit memory ratios. --smoke: every mode on the tiny model
+(its ratios keep the `smollm2_` names), one group.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import time
 
 import torch
 
+from _smoke import add_smoke_flag, tiny_model_folder
 from sleuth.config import LoraConfig, ModelConfig, TrainerConfig
-from sleuth.hardware import cpu_description
 from sleuth.records import Completion, Group, Problem
+from sleuth.system.hardware import cpu_description
 from sleuth.train.policy import Policy, load_base_model
 from sleuth.train.step import Trainer
 
@@ -85,7 +87,10 @@ def main() -> None:
     parser.add_argument("--modes", default="none,int8,nf4")
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--no-step", action="store_true", help="memory and self-check only (no timed steps)")
+    add_smoke_flag(parser)
     a = parser.parse_args()
+    if a.smoke:
+        a.model, a.random, a.groups = tiny_model_folder(), "", 1
     torch.manual_seed(0)
     models = [a.model]
     if a.random:

@@ -1,6 +1,6 @@
 """Rollout throughput: vLLM engine vs our transformers engine vs plain `generate`, one run.
 
-    .venv/bin/python bench/rollout.py [--prompts 8 --n 8 --max-tokens 128 --naive-prompts 2]
+    .venv/bin/python bench/rollout.py [--prompts 8 --n 8 --max-tokens 128 --naive-prompts 2] [--smoke]
 
 SmolLM2-135M-Instruct (bf16), 8 chat prompts of ~600 tokens x 8 samples x 128 new tokens,
 temperature 1. Tokens/s counts generated tokens (up to and including EOS) over wall time.
@@ -9,7 +9,8 @@ Plain `model.generate(num_return_sequences=8)` runs one prompt at a time (that i
 it is timed on the first --naive-prompts prompts only, since its rate per prompt does not depend
 on how many prompts follow. The logprob columns compare each engine's sampled-token logprobs with
 a transformers forward of the same tokens (the trainer's computation: bf16 weights, fp32 logits).
-Targets: ours >= 2x plain generate; vLLM >= ours.
+Targets: ours >= 2x plain generate; vLLM >= ours. --smoke: every engine on the tiny model, 2 prompts of
+~60 tokens x 2 samples x 8 new tokens.
 """
 
 from __future__ import annotations
@@ -21,12 +22,19 @@ import time
 
 import torch
 
-from sleuth.hardware import cpu_description, cpu_dtype
-from sleuth.models import SMOLLM2_ALIAS, encode_chat, load_causal_lm, load_tokenizer, resolve_model_path
+from _smoke import add_smoke_flag, tiny_model_folder
 from sleuth.records import SamplingParams
 from sleuth.rollout.base import GenerationRequest, GenerationResult
 from sleuth.rollout.factory import vllm_available
 from sleuth.rollout.hf_engine import HFEngine
+from sleuth.system.hardware import cpu_description, cpu_dtype
+from sleuth.system.models import (
+    SMOLLM2_ALIAS,
+    encode_chat,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_model_path,
+)
 
 TOPICS = ["a lighthouse keeper", "a chess tournament", "a bakery at dawn", "a museum robbery",
           "a mountain rescue", "a space station", "a village election", "a lost violin"]
@@ -94,11 +102,16 @@ def main() -> None:
     ap.add_argument("--naive-prompts", type=int, default=2)
     ap.add_argument("--mad-groups", type=int, default=2, help="groups per engine in the logprob comparison")
     ap.add_argument("--vllm-compile", action="store_true", help="let vLLM compile the model (slower start)")
+    ap.add_argument("--model", default=SMOLLM2_ALIAS, help="a model folder or alias")
+    add_smoke_flag(ap)
     a = ap.parse_args()
+    if a.smoke:
+        a.model, a.prompts, a.n, a.max_tokens, a.prompt_tokens = tiny_model_folder(), 2, 2, 8, 60
+        a.naive_prompts, a.mad_groups = 1, 1
     print(f"# cpu: {cpu_description()}", flush=True)
     dtype = cpu_dtype("bfloat16")  # bf16 only where this CPU accelerates it
 
-    folder = str(resolve_model_path(SMOLLM2_ALIAS))
+    folder = str(resolve_model_path(a.model))
     tokenizer = load_tokenizer(folder)
     prompts = make_prompts(tokenizer, a.prompts, a.prompt_tokens)
     requests = [GenerationRequest(p, a.n, SamplingParams(temperature=1.0, max_tokens=a.max_tokens, seed=i), f"p{i}")
@@ -152,7 +165,7 @@ def main() -> None:
         progress(f"vLLM: {vl_tok} tokens in {vl_s:.1f} s; logprob check")
         vllm_mad = logprob_mad(trainer, vl_results, a.mad_groups)
 
-    print(f"SmolLM2-135M-Instruct {dtype}, {a.prompts} prompts x {a.n} samples x {a.max_tokens} max new tokens, "
+    print(f"{a.model} {dtype}, {a.prompts} prompts x {a.n} samples x {a.max_tokens} max new tokens, "
           f"mean prompt {mean_prompt:.0f} tokens, torch threads {torch.get_num_threads()}, "
           f"cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}")
     print("| engine | tokens | seconds | tokens/s | notes |")

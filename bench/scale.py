@@ -1,9 +1,9 @@
 """Scale-out costs on this machine: weight sync through Ray, and one default iteration on Ray.
 
-    flock /work/locks/heavy .venv/bin/python bench/scale.py [--skip-iteration]
+    flock /work/locks/heavy .venv/bin/python bench/scale.py [--skip-iteration] [--smoke]
 
 1. Full-weight sync: SmolLM2-135M-Instruct's weights (model.dtype of the default, float32) into one
-   rollout worker (transformers engine) through Ray's object store (sleuth.sync.RayTransport, the
+   rollout worker (transformers engine) through Ray's object store (sleuth.rollout.sync.RayTransport, the
    loop's path) against the same engine in this process (InProcessTransport). Median of 3.
 2. LoRA sync: the default's adapter (rank 16, all linear layers) the same two ways. Median of 5.
    Both also through cluster/collective.py's broadcast group (gloo here, the NCCL path's code):
@@ -20,6 +20,9 @@
    process: the RSS the model load adds vs the "params" estimate, and the peak the step adds over
    that vs "grads + optimizer + activations".
 Last line: `sync_gb_s=... lora_sync_ms=... ray_overhead=...` (+ fsdp2_step_ratio=...).
+--smoke: 1-3 on the tiny model (one sync per path; the iterations of _smoke.default_run_overrides);
+4 is bench/fsdp_step.py's own smoke run. Every part runs the `temporal_clue_direct` recipe (LoRA on
+SmolLM2, the main job until 2026-12-06), so its figures stay comparable with the earlier ones.
 """
 
 from __future__ import annotations
@@ -37,17 +40,23 @@ from types import SimpleNamespace
 
 import torch
 
-from sleuth.cli.train import default_config_path
+from _smoke import add_smoke_flag, default_run_overrides, tiny_model_folder
+from sleuth.cli.train import recipes
 from sleuth.cluster.collective import CollectiveTransport, LocalSender
-from sleuth.config import ClusterConfig, RolloutConfig, load_config
-from sleuth.hardware import cpu_description
-from sleuth.models import SMOLLM2_ALIAS, resolve_model_path
+from sleuth.config import RolloutConfig, load_config
 from sleuth.rollout.factory import make_engine
-from sleuth.sync import InProcessTransport, RayTransport
+from sleuth.rollout.sync import InProcessTransport, RayTransport
+from sleuth.run.metrics import read_metrics
+from sleuth.system.hardware import cpu_description
+from sleuth.system.models import SMOLLM2_ALIAS, resolve_model_path
 from sleuth.train.policy import Policy
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+
+RECIPE = recipes()["temporal_clue_direct"]
+"""What every part runs (the LoRA adapter sync needs LoRA; the main job trains all weights now)."""
 
 def progress(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -63,13 +72,14 @@ def timed(fn, reps: int) -> tuple[float, int]:
     return statistics.median(times), moved
 
 
-def bench_sync(folder: str) -> dict[str, float]:
+def bench_sync(folder: str, overrides: tuple[str, ...] = (), reps: tuple[int, int] = (3, 5)) -> dict[str, float]:
+    """`overrides` on the default config (the tiny model for --smoke); `reps`: full, LoRA syncs per path."""
     import ray
 
     from sleuth.cluster.rollout_pool import RolloutPool
     from sleuth.cluster.runtime import WorkerSpec
 
-    cfg = load_config(default_config_path())
+    cfg = load_config(RECIPE, list(overrides))
     policy = Policy.from_config(cfg.model, need_reference=False)
     full = [(n, t.contiguous()) for n, t in policy.sync_state()]
     adapter = policy.lora_adapter()
@@ -78,22 +88,23 @@ def bench_sync(folder: str) -> dict[str, float]:
     cores = os.cpu_count() or 2
     ray.init(address="local", num_cpus=cores, include_dashboard=False, log_to_driver=False,
              logging_level="warning", object_store_memory=2 * 1024**3)
-    pool = RolloutPool(rollout, ClusterConfig(), folder, cfg.model.dtype, 0,
+    pool = RolloutPool(rollout, cfg.cluster, folder, cfg.model.dtype, 0,
                        [WorkerSpec("rollout", 0, cores, 0)])
     # the same tensors as the other two paths (read once above), so every path does the same work:
     # pack into buckets, move them, load them into the engine
     fixed = SimpleNamespace(is_lora=True, sync_state=lambda: full, lora_adapter=lambda: adapter)
     try:
         progress("full-weight sync")
-        ray_full, nbytes = timed(lambda: RayTransport().send_full(pool, full), 3)
-        local_full, _ = timed(lambda: InProcessTransport().send_full(local, full), 3)
+        full_reps, lora_reps = reps
+        ray_full, nbytes = timed(lambda: RayTransport().send_full(pool, full), full_reps)
+        local_full, _ = timed(lambda: InProcessTransport().send_full(local, full), full_reps)
         collective = CollectiveTransport(pool, LocalSender(fixed), "gloo", 600)
         collective.connect()
-        coll_full, _ = timed(lambda: collective.stage(fixed, "full", False)(pool), 3)
+        coll_full, _ = timed(lambda: collective.stage(fixed, "full", False)(pool), full_reps)
         progress("LoRA sync")
-        ray_lora, lora_bytes = timed(lambda: RayTransport().send_adapter(pool, adapter), 5)
-        local_lora, _ = timed(lambda: InProcessTransport().send_adapter(local, adapter), 5)
-        coll_lora, _ = timed(lambda: collective.stage(fixed, "adapter", False)(pool), 5)
+        ray_lora, lora_bytes = timed(lambda: RayTransport().send_adapter(pool, adapter), lora_reps)
+        local_lora, _ = timed(lambda: InProcessTransport().send_adapter(local, adapter), lora_reps)
+        coll_lora, _ = timed(lambda: collective.stage(fixed, "adapter", False)(pool), lora_reps)
         assert collective._restarts_seen == pool.restarts, "the broadcast fell back to the object store"
     finally:
         pool.close()
@@ -110,8 +121,8 @@ def one_iteration(on_ray: bool, out: Path, extra: tuple[str, ...] = ()) -> float
             *extra]
     code = (
         "import sys, json; from io import StringIO; from pathlib import Path\n"
-        "from sleuth.cli.train import default_config_path; from sleuth.config import load_config\n"
-        "from sleuth.loop import train\n"
+        "from sleuth.cli.train import recipes; from sleuth.config import load_config\n"
+        "from sleuth.loop.train import train\n"
         "args = json.loads(sys.argv[1]); out = Path(sys.argv[2])\n"
         "if sys.argv[3] == 'ray':\n"
         "    import os, ray\n"
@@ -119,19 +130,18 @@ def one_iteration(on_ray: bool, out: Path, extra: tuple[str, ...] = ()) -> float
         "                   log_to_driver=False, logging_level='warning')\n"
         "    args += [f\"cluster.address={ctx.address_info['gcs_address']}\",\n"
         "             f'cluster.cpus_per_worker={os.cpu_count()}']\n"
-        "train(load_config(default_config_path(), args), out, out=StringIO())\n"
+        "train(load_config(recipes()['temporal_clue_direct'], args), out, out=StringIO())\n"
     )
     subprocess.run([sys.executable, "-c", code, json.dumps(args), str(out), "ray" if on_ray else "local"],
                    check=True, cwd=ROOT)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    last = next(r for r in rows if r["iteration"] == 2)
+    last = next(r for r in read_metrics(out) if r["iteration"] == 2)
     return float(last["time/iteration_s"])
 
 
 MEMORY_CODE = """
 import json, resource, sys
 import torch
-from sleuth.cli.train import default_config_path
+from sleuth.cli.train import recipes
 from sleuth.config import load_config
 from sleuth.records import Completion, Group, Problem
 from sleuth.train.policy import Policy
@@ -141,7 +151,7 @@ def rss_gib():  # current resident set size
     return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() / 2**30
 
 row = int(sys.argv[1])
-cfg = load_config(default_config_path(), [f"trainer.row_tokens={row}", "trainer.self_check=false"])
+cfg = load_config(recipes()["temporal_clue_direct"], [f"trainer.row_tokens={row}", "trainer.self_check=false"])
 before = rss_gib()
 policy = Policy.from_config(cfg.model, need_reference=False)
 loaded = rss_gib()
@@ -163,7 +173,7 @@ def memory_check(row_tokens: int) -> None:
     proc = subprocess.run([sys.executable, "-c", MEMORY_CODE, str(row_tokens)], capture_output=True, text=True,
                           check=True, cwd=ROOT)
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    cfg = load_config(default_config_path(), [f"trainer.row_tokens={row_tokens}"])
+    cfg = load_config(RECIPE, [f"trainer.row_tokens={row_tokens}"])
     est = trainer_memory(cfg, ModelShape.from_folder(resolve_model_path(cfg.model.path)), 1)
     step_est = est["grads"] + est["optimizer"] + est["activations"]
     print(f"| SmolLM2 LoRA float32, row {row_tokens} tokens | estimate GiB | measured GiB |")
@@ -194,7 +204,10 @@ def main() -> None:
     ap.add_argument("--fsdp-iteration", action="store_true",
                     help="only: iteration 2 of the default with 2 FSDP2 trainer ranks + 1 rollout worker on "
                          "Ray (0.5 CPU each) against one process")
+    add_smoke_flag(ap)
     a = ap.parse_args()
+    # A loaded machine may take longer than the default 30 s to place a worker.
+    smoke = (*default_run_overrides(), "cluster.connect_timeout_s=600") if a.smoke else ()
     print(f"CPU: {cpu_description()}; torch threads {torch.get_num_threads()}")
     if a.memory:
         memory_check(a.row_tokens)
@@ -210,8 +223,10 @@ def main() -> None:
               f"{sharded:.1f} s |")
         print(f"fsdp2_loop_overhead={sharded / local - 1:.3f}")
         return
-    folder = str(resolve_model_path(SMOLLM2_ALIAS))
-    s = bench_sync(folder)
+    if a.smoke:
+        s = bench_sync(tiny_model_folder(), smoke, reps=(1, 1))
+    else:
+        s = bench_sync(str(resolve_model_path(SMOLLM2_ALIAS)))
     gb = s["full_bytes"] / 1e9
     print("| sync | bytes | Ray object store s | gloo broadcast s | in-process s | object store GB/s | broadcast GB/s |")
     print("|---|---|---|---|---|---|---|")
@@ -224,12 +239,12 @@ def main() -> None:
     if not a.skip_iteration:
         with tempfile.TemporaryDirectory() as tmp:
             progress("default iteration in one process")
-            local = one_iteration(False, Path(tmp) / "local")
+            local = one_iteration(False, Path(tmp) / "local", smoke)
             progress("default iteration with a Ray rollout worker")
-            on_ray = one_iteration(True, Path(tmp) / "ray")
+            on_ray = one_iteration(True, Path(tmp) / "ray", smoke)
         print(f"| iteration 2 of the default | in-process {local:.1f} s | Ray 1+1 {on_ray:.1f} s |")
         line += f" ray_overhead={on_ray / local - 1:.3f}"
-    ratio = fsdp_ratio()
+    ratio = None if a.smoke else fsdp_ratio()  # a smoke run leaves 4 to bench/fsdp_step.py --smoke
     if ratio is not None:
         line += f" fsdp2_step_ratio={ratio:.3f}"
     print(line)

@@ -1,15 +1,16 @@
 """Weight-sync benchmark: adapter-only vs full weights, SmolLM2-135M-Instruct with LoRA r=16.
 
-    .venv/bin/python bench/sync.py [--engine vllm|hf] [--reps 3]
+    .venv/bin/python bench/sync.py [--engine vllm|hf] [--reps 3] [--smoke]
 
 For each path it builds the engine the loop would (vLLM: rollout.native_lora on for the adapter
 path, off for the full path; hf: the same engine does both), moves the policy's LoRA B away from
-zero (a trained adapter), and times sleuth.sync.WeightSync.push() `reps` times. It checks that the
+zero (a trained adapter), and times sleuth.rollout.sync.WeightSync.push() `reps` times. It checks that the
 engine then generates what the trainer's merged weights predict (greedy tokens equal across paths),
 and times one default-sized rollout on that engine (4 prompts of 830 random token ids x 8 samples x
 64 tokens at temperature 0.7, seeded): serving the adapter (vLLM's LoRA layers) may cost more per
 generated token than merged weights, which is what decides the default path.
-Prints a table and one `name=value` line.
+Prints a table and one `name=value` line. --smoke: the tiny model, one sync per path, a rollout of a
+tenth of the prompt and 8 new tokens (vLLM where installed, else --engine hf).
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ if __name__ == "__main__":
 
 import torch
 
+from _smoke import add_smoke_flag, tiny_model_folder
 from sleuth.config import LoraConfig, ModelConfig, RolloutConfig
-from sleuth.hardware import cpu_description
-from sleuth.models import SMOLLM2_ALIAS, resolve_model_path
 from sleuth.records import SamplingParams
 from sleuth.rollout.base import GenerationRequest
 from sleuth.rollout.factory import make_engine
-from sleuth.sync import WeightSync
+from sleuth.rollout.sync import WeightSync
+from sleuth.system.hardware import cpu_description
+from sleuth.system.models import SMOLLM2_ALIAS, resolve_model_path
 from sleuth.train.policy import Policy
 
 
@@ -45,18 +47,19 @@ def trained_policy(folder: str) -> Policy:
     return policy
 
 
-def rollout_seconds(engine: object, vocab: int) -> tuple[float, int]:
+def rollout_seconds(engine: object, vocab: int, prompt: int = 830, max_tokens: int = 64) -> tuple[float, int]:
     """Seconds and sampled tokens of one default-sized rollout (see the module doc)."""
     gen = torch.Generator().manual_seed(1)
-    reqs = [GenerationRequest(torch.randint(100, vocab, (830,), generator=gen).tolist(), 8,
-                              SamplingParams(temperature=0.7, max_tokens=64, seed=10 + j), f"g{j}") for j in range(4)]
+    reqs = [GenerationRequest(torch.randint(100, vocab, (prompt,), generator=gen).tolist(), 8,
+                              SamplingParams(temperature=0.7, max_tokens=max_tokens, seed=10 + j), f"g{j}")
+            for j in range(4)]
     start = time.perf_counter()
     out = engine.generate_all(reqs)  # type: ignore[attr-defined]
     return time.perf_counter() - start, sum(len(s.token_ids) for r in out for s in r.samples)
 
 
-def run_path(engine_kind: str, mode: str, folder: str, policy: Policy,
-             reps: int) -> tuple[list[float], int, list[int], tuple[float, int]]:
+def run_path(engine_kind: str, mode: str, folder: str, policy: Policy, reps: int,
+             smoke: bool = False) -> tuple[list[float], int, list[int], tuple[float, int]]:
     cfg = RolloutConfig(engine=engine_kind, native_lora=mode == "adapter", kv_cache_gb=1.0, max_model_len=1024)
     engine = make_engine(cfg, folder, "float32", seed=0)
     try:
@@ -68,7 +71,8 @@ def run_path(engine_kind: str, mode: str, folder: str, policy: Policy,
             moved = stats.bytes
         ids = policy.tokenizer("The capital of France is")["input_ids"]
         out = engine.generate_all([GenerationRequest(ids, 1, SamplingParams(temperature=0.0, max_tokens=12))])
-        rollout = rollout_seconds(engine, policy.causal_lm.config.vocab_size)
+        vocab = policy.causal_lm.config.vocab_size
+        rollout = rollout_seconds(engine, vocab, 83, 8) if smoke else rollout_seconds(engine, vocab)
         return times, moved, out[0].samples[0].token_ids, rollout
     finally:
         engine.close()
@@ -78,14 +82,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--model", default=SMOLLM2_ALIAS, help="a model folder or alias (a tiny one for a smoke run)")
+    ap.add_argument("--model", default=SMOLLM2_ALIAS, help="a model folder or alias")
+    add_smoke_flag(ap)
     a = ap.parse_args()
+    if a.smoke:
+        from sleuth.rollout.factory import vllm_available
+
+        a.model, a.reps = tiny_model_folder(), 1
+        a.engine = a.engine if vllm_available() else "hf"
     print(f"# cpu: {cpu_description()}", flush=True)
     folder = str(resolve_model_path(a.model))
     policy = trained_policy(folder)
     rows, tokens, rollouts = {}, {}, {}
     for mode in ("full", "adapter"):
-        times, moved, tokens[mode], rollouts[mode] = run_path(a.engine, mode, folder, policy, a.reps)
+        times, moved, tokens[mode], rollouts[mode] = run_path(a.engine, mode, folder, policy, a.reps, a.smoke)
         rows[mode] = (statistics.median(times), min(times), moved)
     print(f"{a.model} float32, LoRA r=16 all-linear, engine {a.engine}, {a.reps} syncs per path")
     print("| path | bytes moved | sync median s | sync best s | rollout s (tokens) | sync + rollout s |")

@@ -1,6 +1,6 @@
 """Training-step benchmark: shared-prompt packing vs the naive padded layout, on SmolLM2-135M.
 
-    .venv/bin/python bench/train_step.py [--modes lora,full] [--shapes clue,aime] [--reps 1]
+    .venv/bin/python bench/train_step.py [--modes lora,full] [--shapes clue,aime] [--reps 1] [--smoke]
 
 Batches of 8 groups x 8 completions with random token ids:
   clue: prompt 1,000 tokens, completions 200 tokens (Temporal-Clue-shaped)
@@ -21,9 +21,10 @@ import time
 
 import torch
 
+from _smoke import add_smoke_flag, tiny_model_folder
 from sleuth.config import AlgorithmConfig, LoraConfig, ModelConfig, TrainerConfig
-from sleuth.hardware import cpu_description, cpu_dtype
 from sleuth.records import Completion, Group, Problem
+from sleuth.system.hardware import cpu_description, cpu_dtype
 from sleuth.train.logprobs import token_logprobs
 from sleuth.train.losses import aggregation_weights, ppo_clip
 from sleuth.train.optim import measure_matmul_flops
@@ -32,6 +33,8 @@ from sleuth.train.policy import Policy
 from sleuth.train.step import Trainer
 
 SHAPES = {"clue": (1000, 200), "aime": (150, 1000)}
+SMOKE_SHAPES = {name: (prompt // 20, completion // 20) for name, (prompt, completion) in SHAPES.items()}
+"""--smoke: each shape at a twentieth of its lengths (bench/gpu_train_step.py's smoke run too)."""
 PER_GROUP = 8
 
 
@@ -107,13 +110,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                     help="auto: bf16 where this CPU accelerates it, else float32")
     ap.add_argument("--groups", type=int, default=8, help="groups of 8 completions (8 for the headline)")
+    add_smoke_flag(ap)
     a = ap.parse_args()
+    matmul_n = 2048
+    if a.smoke:  # every mode and shape, one group each, on the tiny model
+        a.model, a.groups, a.reps, matmul_n = tiny_model_folder(), 1, 1, 256
     torch.manual_seed(0)
     dtype = cpu_dtype() if a.dtype == "auto" else a.dtype
     print(f"# cpu: {cpu_description()}", flush=True)
-    peak = measure_matmul_flops(getattr(torch, dtype), "cpu", n=2048, reps=3)
-    print(f"# {dtype} matmul peak (2048^3, measured now): {peak / 1e12:.3f} TFLOP/s; threads={torch.get_num_threads()}",
-          flush=True)
+    peak = measure_matmul_flops(getattr(torch, dtype), "cpu", n=matmul_n, reps=3)
+    print(f"# {dtype} matmul peak ({matmul_n}^3, measured now): {peak / 1e12:.3f} TFLOP/s; "
+          f"threads={torch.get_num_threads()}", flush=True)
     print("| mode | shape | layout | tokens | step s (wall) | CPU s | tokens/s (wall) | MFU (wall) | "
           "self-check max / mean abs dlogp | peak RSS GB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -126,7 +133,7 @@ def main() -> None:
         body, head = policy.matmul_parameters()
         vocab = int(policy.causal_lm.config.vocab_size)
         for shape in a.shapes.split(","):
-            p_len, c_len = SHAPES[shape]
+            p_len, c_len = (SMOKE_SHAPES if a.smoke else SHAPES)[shape]
             groups = make_groups(a.groups, p_len, c_len, vocab, seed=1)
             trainer = Trainer(policy, AlgorithmConfig(),
                               TrainerConfig(lr=1e-7, row_tokens=a.row_tokens, self_check=False),

@@ -7,11 +7,12 @@ steps; CPU; transformers generation in both (TRL's `generate`, sleuth's hf engin
 evaluation, no checkpoints inside the timed steps. One iteration = generate the group of every
 prompt, score, one optimizer step (and, for sleuth, sync the weights into its engine).
 
-    .venv/bin/python bench/vs_trl.py [--prompts 2 --samples 4 --max-tokens 64 --steps 3]
+    .venv/bin/python bench/vs_trl.py [--prompts 2 --samples 4 --max-tokens 64 --steps 3] [--smoke]
 
 The first iteration of each includes one-off costs (sleuth's packing self-check, lazy inits), so
 the headline is the mean over the iterations after the first. Last line:
-`trl_s_per_iter=… sleuth_s_per_iter=… speedup=…`.
+`trl_s_per_iter=… sleuth_s_per_iter=… speedup=…`. --smoke: the tiny model, 1 prompt x 2 samples x 8 new
+tokens, 2 iterations.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from io import StringIO
 from pathlib import Path
 from typing import Any
 
+from _smoke import add_smoke_flag, tiny_model_folder
+
 LR = 1e-4
 
 
@@ -31,7 +34,7 @@ def problems(n: int) -> list[Any]:
     from sleuth.config import TaskConfig
     from sleuth.tasks.temporal_clue.task import TemporalClueTask
 
-    task = TemporalClueTask(TaskConfig(name="temporal_clue", difficulty=1, list_choices=True))
+    task = TemporalClueTask(TaskConfig(name="temporal_clue", temporal_clue={"difficulty": 1, "list_choices": True}))
     return [task.train_problem(i) for i in range(n)]
 
 
@@ -42,11 +45,12 @@ def steady(times: list[float]) -> float:
 
 def run_sleuth(model: str, a: argparse.Namespace) -> list[float]:
     from sleuth.config import load_config
-    from sleuth.loop import train
+    from sleuth.loop.train import train
+    from sleuth.run.metrics import read_metrics
 
     cfg = load_config(None, [
         f"model.path={model}", "model.dtype=float32", "model.lora.rank=16", "model.lora.alpha=32",
-        "task.name=temporal_clue", "task.difficulty=1", "task.list_choices=true",
+        "task.name=temporal_clue", "task.temporal_clue.difficulty=1", "task.temporal_clue.list_choices=true",
         "rollout.engine=hf", f"rollout.samples_per_task={a.samples}", f"rollout.max_tokens={a.max_tokens}",
         "rollout.temperature=1.0", f"trainer.lr={LR}", f"loop.iterations={a.steps}",
         f"loop.tasks_per_iteration={a.prompts}", "loop.evaluate=false", "loop.checkpoint_every=0",
@@ -56,8 +60,8 @@ def run_sleuth(model: str, a: argparse.Namespace) -> list[float]:
     ])
     with tempfile.TemporaryDirectory() as tmp:
         train(cfg, Path(tmp) / "run", out=StringIO())
-        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
-    return [r["time_iteration_s"] for r in rows if r["iteration"] >= 1]
+        rows = read_metrics(Path(tmp) / "run")
+    return [r["time/iteration_s"] for r in rows if r["iteration"] >= 1]
 
 
 def run_trl(model: str, a: argparse.Namespace) -> list[float]:
@@ -66,7 +70,7 @@ def run_trl(model: str, a: argparse.Namespace) -> list[float]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from sleuth.models import load_causal_lm, load_tokenizer
+    from sleuth.system.models import load_causal_lm, load_tokenizer
     from sleuth.tasks.temporal_clue.grade import grade
 
     rows = [{"prompt": p.messages, "solution": json.dumps(p.answer)} for p in problems(a.prompts * a.steps)]
@@ -114,12 +118,15 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
+    add_smoke_flag(parser)
     a = parser.parse_args()
-    from sleuth.hardware import cpu_description
+    if a.smoke:
+        a.model, a.prompts, a.samples, a.max_tokens, a.steps = tiny_model_folder(), 1, 2, 8, 2
+    from sleuth.system.hardware import cpu_description
 
     print(f"# cpu: {cpu_description()}", flush=True)
 
-    from sleuth.models import resolve_model_path
+    from sleuth.system.models import resolve_model_path
 
     model = str(resolve_model_path(a.model))
     lengths = [len(json.dumps(p.messages)) for p in problems(a.prompts * a.steps)]

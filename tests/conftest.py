@@ -11,23 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from sleuth.testing.tasks import lowercase_task_source
 from sleuth.testing.tiny_model import write_tiny_model
 
-# Runs with loop.deterministic ask MKL for reproducible results (loop.reproducible_cpu_math), which
+# Runs with loop.deterministic ask MKL for reproducible results (system.hardware.reproducible_cpu_math), which
 # MKL reads at its first call: the in-process runs the tests compare subprocess runs against must
 # have it from the start too, or they would compute with MKL's other code paths.
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
-LOWERCASE_TASK = '''
-def problems(cfg):
-    for i in range(64):
-        yield {"id": f"p{i}", "prompt": f"Write lowercase letters ({i})", "answer": None,
-               "split": "eval" if i < 3 else "train"}
-
-
-def verify(answer, text):
-    return sum("a" <= c <= "z" for c in text) / len(text) if text else 0.0
-'''
+LOWERCASE_TASK = lowercase_task_source(64, 3)
 """A user task whose verifier rewards the fraction of lowercase letters in a completion: a
 random-init byte-level model earns varied rewards on it from the first iteration, so every
 iteration really trains (a reward that is always 0 would leave the weights unchanged)."""
@@ -50,9 +42,9 @@ def lowercase_task(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def count_saved(monkeypatch: pytest.MonkeyPatch) -> Callable[[], contextlib.AbstractContextManager[dict[int, int]]]:
     """`with count_saved() as kept:` records the bytes autograd keeps for backward inside the block
-    (storage -> bytes, each storage once), including what sleuth.train.recompute's own pack hooks
+    (storage -> bytes, each storage once), including what sleuth.train.kernels.recompute's own pack hooks
     keep as it is (an outer hook does not see what an inner one packs)."""
-    from sleuth.train import recompute
+    from sleuth.train.kernels import recompute
 
     kept: dict[int, int] = {}
 

@@ -4,7 +4,7 @@ import pytest
 
 from sleuth.errors import UserError
 from sleuth.records import Completion, Group, Problem
-from sleuth.train.advantages import ESTIMATORS, compute_advantages
+from sleuth.rewards.advantages import ESTIMATORS, compute_advantages
 
 
 def group(rewards: list[float], name: str = "p") -> Group:
@@ -54,3 +54,23 @@ def test_bad_input() -> None:
         compute_advantages([group([1.0, math.nan])], "grpo")
     assert compute_advantages([], "grpo") == ([], {"groups": 0.0, "groups_dropped": 0.0,
                                                    "advantage_abs_mean": 0.0})
+
+
+@pytest.mark.parametrize("rewards", [[1e154, -1e154, 0.0], [1.7e308, -1.7e308], [1e300, 1e300, 1e299], [0.0, 5e-324]])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_huge_finite_rewards_give_finite_advantages_or_one_clear_error(name, rewards):
+
+
+    group = Group(Problem("p", [], None), [1], [Completion([1], [2], [-0.1], "stop", "x", reward=r) for r in rewards])
+    try:
+        (out,), _ = compute_advantages([group], name, drop_zero=False)
+    except ValueError as e:  # r - mean itself past the largest float (dr_grpo, rloo): named, never inf
+        assert name != "grpo" and "non-finite advantage" in str(e)
+        return
+    assert all(math.isfinite(a) for a in out.advantages)
+    if name == "grpo":  # scale-free: the same advantages as for the rewards scaled down
+        scale = max(abs(r) for r in rewards)
+        small = [r / scale for r in rewards]
+        mean = sum(small) / len(small)
+        std = (sum((r - mean) ** 2 for r in small) / len(small)) ** 0.5
+        assert out.advantages == pytest.approx([(r - mean) / (std + 1e-6 / scale) for r in small], rel=1e-6)

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from sleuth.allocator import DEFAULT, PURGE_DELAY_MS, allocator_in_use, jemalloc_library, mimalloc_library
+from sleuth.system.allocator import (
+    DEFAULT,
+    PURGE_DELAY_MS,
+    allocator_in_use,
+    jemalloc_library,
+    mimalloc_library,
+)
 
 
 def dry_run(tiny, **env: str) -> subprocess.CompletedProcess:
@@ -72,7 +78,7 @@ def test_release_pages_gives_a_tensors_memory_back_and_it_reads_zeros():
 
     import torch
 
-    from sleuth.allocator import release_pages
+    from sleuth.system.allocator import release_pages
 
     buffer = torch.ones(64 * 2**20, dtype=torch.int8)  # 64 MiB, every page touched
     view = buffer[: 2**20]  # a view of the same storage: released once

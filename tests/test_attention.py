@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from sleuth.attention import PACKED, dense_mask, register_packed_attention
 from sleuth.records import Completion, Group, Problem
+from sleuth.system.attention import PACKED, dense_mask, register_packed_attention
 from sleuth.testing.tiny_model import build_model
-from sleuth.train.attention import attention_kwargs, backend_for, packed_mask_mod
+from sleuth.train.kernels.packed_attention import attention_kwargs, backend_for, packed_mask_mod
 from sleuth.train.packing import pack_groups
 
 
@@ -122,8 +122,8 @@ def test_packed_attention_equals_dense_mask_forward_and_backward(layout: str) ->
 
 
 def test_dropout_falls_back_to_the_dense_mask() -> None:
-    from sleuth.attention import packed_attention_forward
-    from sleuth.train.attention import row_layout
+    from sleuth.system.attention import packed_attention_forward
+    from sleuth.train.kernels.packed_attention import row_layout
 
     prompt = [5, 6, 7]
     group = Group(Problem("p", [], None), prompt,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sleuth.cli.train import default_config_path
+from sleuth.cli.train import default_config_path, recipes
 from sleuth.config import load_config
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "learning.py"
@@ -25,38 +25,67 @@ def test_bad_flags_exit_2_naming_the_flag(tmp_path, flags, message):
     assert not out.exists()  # nothing was started
 
 
-def test_every_arm_is_a_valid_config_over_the_default():
-    """Each arm's overrides load over the embedded default (known keys, valid values), as the
-    run_arm command line passes them; a typo in an arm would otherwise surface minutes into a run."""
+def _learning():
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import learning
     finally:
         sys.path.remove(str(SCRIPT.parent))
+    return learning
+
+
+def arm(name: str, *extra: str):
+    """An arm's config as run_arm's command line gives it: its recipe, then its overrides."""
+    recipe, *overrides = _learning().ARMS[name]
+    return load_config(recipes()[recipe], [*overrides, *extra])
+
+
+def test_every_arm_is_a_valid_config_over_its_recipe():
+    """Each arm's overrides load over its recipe (known keys, valid values), as the run_arm command
+    line passes them; a typo in an arm would otherwise surface minutes into a run."""
+    learning = _learning()
     assert set(learning.DEFAULT_ARMS.split(",")) <= set(learning.ARMS)
-    for name, overrides in learning.ARMS.items():
-        cfg = load_config(default_config_path(), [*overrides, "loop.time_budget_min=15", "loop.seed=1"])
-        assert cfg.loop.seed == 1, name
-    kl = load_config(default_config_path(), learning.ARMS["kl"])
-    assert kl.algorithm.kl_beta == 0.04 and kl.trainer.lr == load_config(default_config_path()).trainer.lr
-    # `earlier` is the embedded default before `sheet`'s levers became it; `sheet` the default before
-    # LoRA went to the last 15 layers (`top`, the default now).
-    earlier = load_config(default_config_path(), learning.ARMS["earlier"])
+    for name in learning.ARMS:
+        assert arm(name, "loop.time_budget_min=15", "loop.seed=1").loop.seed == 1, name
+    assert arm("default") == load_config(default_config_path())  # the main job as it is now
+    assert arm("no_warm_start").sft.warm_start is False and arm("default").sft.warm_start is True
+    direct = load_config(recipes()[learning.DIRECT])
+    kl = arm("kl")
+    assert kl.algorithm.kl_beta == 0.04 and kl.trainer.lr == direct.trainer.lr
+    # `earlier` is the direct recipe before `sheet`'s levers joined it; `sheet` before LoRA went to
+    # the last 15 layers (`top`).
+    earlier = arm("earlier")
     assert (earlier.algorithm.credit, earlier.algorithm.format_reward, earlier.trainer.mini_batches,
-            earlier.task.stop_after_sheet) == ("sequence", 0.0, 1, False)
-    sheet = load_config(default_config_path(), learning.ARMS["sheet"])
+            earlier.task.temporal_clue.stop_after_sheet) == ("sequence", 0.0, 1, False)
+    sheet = arm("sheet")
     assert sheet.model.lora.last_layers is None and earlier.model.lora.last_layers is None
-    # `top` is the default before `guided` joined it: the same, without the guided sample.
-    top = load_config(default_config_path(), learning.ARMS["top"])
-    assert top == load_config(default_config_path(), ["rollout.guided_samples=0"])
-    assert sheet == load_config(default_config_path(), ["rollout.guided_samples=0", "model.lora.last_layers=null"])
+    # `top` is the direct recipe before `guided` joined it: the same, without the guided sample.
+    top = arm("top")
+    assert top == load_config(recipes()[learning.DIRECT], ["rollout.guided_samples=0"])
+    assert sheet == load_config(recipes()[learning.DIRECT], ["rollout.guided_samples=0", "model.lora.last_layers=null"])
     # The entropy arms change only the bonus of the default they were measured over (`top`).
-    for arm, coef in (("entropy", 0.01), ("entropy_small", 0.001)):
-        cfg = load_config(default_config_path(), learning.ARMS[arm])
+    for name, coef in (("entropy", 0.01), ("entropy_small", 0.001)):
+        cfg = arm(name)
         assert cfg.algorithm.entropy_coef == coef and top.algorithm.entropy_coef == 0
         assert cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"entropy_coef": 0.0})}) == top
-    # `guided` is the embedded default now: `top` with one guided sample in each group of eight.
-    guided = load_config(default_config_path(), learning.ARMS["guided"])
-    assert guided == load_config(default_config_path()) and load_config(default_config_path(), learning.ARMS["default"]) == guided
+    # `guided` is the direct recipe: `top` with one guided sample in each group of eight.
+    guided = arm("guided")
+    assert guided == direct == arm("direct")
     assert guided.rollout.guided_samples == 1 and guided.rollout.samples_per_task == 8
     assert guided.model_copy(update={"rollout": guided.rollout.model_copy(update={"guided_samples": 0})}) == top
+
+
+def test_smoke_runs_the_paired_diagnostics_on_the_tiny_model(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--diagnostics", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("# cpu: ") and lines[-1].startswith("final_val=")
+    summary = (tmp_path / "default-seed0" / "eval-diagnostics" / "summary.json").read_text()
+    assert '"ablate_clues"' in summary and '"permute_options"' in summary
+
+
+def test_ladder_arm_climbs_the_rungs_and_holds_out_difficulty_one():
+    cfg = arm("ladder")
+    assert cfg.task.temporal_clue.difficulty.startswith("lookup ->") and cfg.task.temporal_clue.eval_difficulty == 1
+    assert cfg.task.temporal_clue.curriculum_fade == 8

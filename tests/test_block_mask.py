@@ -11,8 +11,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from sleuth.records import Completion, Group, Problem
-from sleuth.train.attention import flex_block_mask, packed_mask_mod
-from sleuth.train.block_mask import block_states, layout_block_mask
+from sleuth.train.kernels.block_mask import block_states, layout_block_mask
+from sleuth.train.kernels.packed_attention import flex_block_mask, packed_mask_mod
 from sleuth.train.packing import pack_groups
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-import sleuth.budget as budget_module
-from sleuth.budget import TimeBudget
+import sleuth.loop.budget as budget_module
+from sleuth.loop.budget import TimeBudget
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_process_age_counts_from_the_process_start():
     import subprocess
     import sys
 
-    code = "import time; time.sleep(1.5); from sleuth.budget import process_age_s; print(process_age_s())"
+    code = "import time; time.sleep(1.5); from sleuth.loop.budget import process_age_s; print(process_age_s())"
     age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                timeout=120).stdout)
     assert 1.5 <= age < 60  # the sleep and the interpreter's start-up, not the machine's uptime
@@ -85,7 +85,7 @@ def test_time_spent_before_the_loop_counts_against_the_budget(tiny_model_dir, lo
     from io import StringIO
 
     from sleuth.config import load_config
-    from sleuth.loop import train
+    from sleuth.loop.train import train
     from test_loop import overrides
 
     out = StringIO()

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sleuth.checkpoint import CheckpointManager
 from sleuth.errors import UserError
+from sleuth.run.checkpoint import CheckpointManager
 
 
 class LinearPolicy:

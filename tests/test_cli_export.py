@@ -6,7 +6,7 @@ from safetensors.torch import load_file
 
 from sleuth.cli import main
 from sleuth.config import load_config
-from sleuth.loop import train
+from sleuth.loop.train import train
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from sleuth.cli import main
+from sleuth.system.datafiles import data_path
 from sleuth.tasks.temporal_clue.generate import generate_puzzle, puzzle_seed
 
-PUBLISHED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "temporal_clue_val.json"
+PUBLISHED = data_path("temporal_clue_val")
 
 
 def test_generate_writes_jsonl_then_show_and_stats_read_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -33,6 +34,18 @@ def test_generate_writes_jsonl_then_show_and_stats_read_it(tmp_path: Path, capsy
         assert field in table
 
 
+@pytest.mark.parametrize("rung", ["lookup", "elim1", "elim2", "1", "6"])
+def test_generate_produces_every_rung(rung: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.jsonl"
+    assert main(["puzzles", "generate", "--n", "2", "--seed", "5", "--difficulty", rung, "--workers", "1",
+                 "--list-choices", "--out", str(out), "--quiet"]) == 0
+    assert f"(difficulty {rung}, seed 5)" in capsys.readouterr().out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    level = int(rung) if rung.isdigit() else rung
+    assert [r["difficulty"] for r in records] == [level, level]
+    assert records[1] == generate_puzzle(puzzle_seed(5, 1), rung, list_choices=True)
+
+
 def test_list_choices_flag_reaches_the_prompt(tmp_path: Path) -> None:
     out = tmp_path / "c.jsonl"
     assert main(["puzzles", "generate", "--n", "1", "--workers", "1", "--out", str(out), "--list-choices",
@@ -40,7 +53,6 @@ def test_list_choices_flag_reaches_the_prompt(tmp_path: Path) -> None:
     assert "(choose from: " in json.loads(out.read_text())["prompt"]
 
 
-@pytest.mark.skipif(not PUBLISHED.exists(), reason="published validation set not present")
 def test_stats_and_show_read_the_published_json_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["puzzles", "stats", str(PUBLISHED)]) == 0
     table = capsys.readouterr().out
@@ -53,8 +65,9 @@ def test_stats_and_show_read_the_published_json_list(capsys: pytest.CaptureFixtu
 
 @pytest.mark.parametrize("argv", [
     ["puzzles", "generate", "--n", "0"],
-    ["puzzles", "generate", "--difficulty", "0"],
+    ["puzzles", "generate", "--difficulty", "-3"],
     ["puzzles", "generate", "--difficulty", "7"],
+    ["puzzles", "generate", "--difficulty", "elim3"],
     ["puzzles", "generate", "--workers", "0"],
 ])
 def test_bad_generate_arguments_exit_2_with_one_line(argv: list[str], tmp_path: Path,

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from sleuth.cli import main
-from sleuth.cli.train import default_config_path, split_args
+from sleuth.cli.train import config_source, default_config_path, recipes, split_args, user_code
 from sleuth.config import load_config
 from sleuth.errors import UserError
+from sleuth.task_config import TemporalClueConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,20 +20,38 @@ def tiny(tiny_model_dir):
     return tiny_model_dir
 
 
-def test_shipped_default_mirrors_embedded():
-    assert load_config(ROOT / "configs" / "default.yaml") == load_config(default_config_path())
+def test_the_main_job_is_the_temporal_clue_recipe():
+    assert default_config_path() == recipes()["temporal_clue"]
     cfg = load_config(default_config_path())
     assert cfg.model.path == "smollm2-135m-instruct"
-    assert cfg.model.lora.enabled
-    assert (cfg.task.name, cfg.task.difficulty, cfg.task.list_choices) == ("temporal_clue", 1, True)
+    assert not cfg.model.lora.enabled and cfg.sft.warm_start and cfg.eval.ablate_clues
+    tc = cfg.task.temporal_clue
+    assert (cfg.task.name, tc.difficulty, tc.reasoning, tc.list_choices) == ("temporal_clue", "elim1", "deduce", True)
+    assert (cfg.task.eval_size, cfg.eval.k, cfg.loop.time_budget_min) == (200, 1, 15)
+    assert load_config(recipes()["temporal_clue_direct"]).task.temporal_clue.difficulty == 1  # the main job before
 
 
 def test_published_configs():
-    tc = load_config(ROOT / "configs" / "temporal-clue-qwen2.5-14b.yaml")
+    tc = load_config(recipes()["temporal_clue_qwen2.5_14b"])
     assert (tc.loop.tasks_per_iteration, tc.rollout.samples_per_task, tc.trainer.lr) == (32, 50, 6e-6)
-    aime = load_config(ROOT / "configs" / "aime-lora.yaml")
+    aime = load_config(recipes()["aime_lora"])
     assert aime.model.lora.enabled and aime.task.name == "math" and aime.eval.k == 8
-    assert aime.task.eval_path == "../shared/data/aime2024.jsonl"
+    assert aime.task.eval_path == "aime2024"
+
+
+def test_a_recipe_is_for_its_own_task(tmp_path):
+    assert config_source(None, []) == default_config_path()
+    assert config_source(None, ["task.name=temporal_clue"]) == default_config_path()
+    # another task starts from the config classes' defaults: no Temporal Clue shaping inherited
+    assert config_source(None, ["task.name=examples.my_task:problems"]) is None
+    cfg = load_config(config_source(None, ["task.name=math"]), ["task.name=math"])
+    assert (cfg.algorithm.credit, cfg.algorithm.format_reward, cfg.rollout.guided_samples) == ("sequence", 0.0, 0)
+    assert config_source("aime_lora", []) == recipes()["aime_lora"]
+    mine = tmp_path / "aime_lora"
+    mine.write_text("loop:\n  iterations: 3\n")
+    assert config_source(str(mine), []) == mine  # a file of that name wins over the recipe
+    with pytest.raises(UserError, match=r"no config file or recipe 'aime_lor' \(did you mean 'aime_lora'"):
+        config_source("aime_lor", [])
 
 
 def test_split_args():
@@ -42,10 +61,10 @@ def test_split_args():
         split_args(["a.yaml", "b.yaml"])
 
 
-@pytest.mark.parametrize("config", ["temporal-clue-qwen2.5-14b.yaml", "aime-lora.yaml"])
-def test_dry_run_shipped_configs(config, tiny, capsys, monkeypatch):
-    monkeypatch.chdir(ROOT)  # the configs name data paths relative to the repository root
-    code = main(["train", f"configs/{config}", f"model.path={tiny}", "--dry-run"])
+@pytest.mark.parametrize("config", ["temporal_clue_qwen2.5_14b", "aime_lora"])
+def test_dry_run_shipped_recipes(config, tiny, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # recipes name shipped data sets, from any folder
+    code = main(["train", config, f"model.path={tiny}", "--dry-run"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert f"model: {tiny}" in out
@@ -65,12 +84,16 @@ def test_dry_run_rejects_bad_inputs(tiny, tmp_path, capsys, monkeypatch):
         (["train", "--dry-run", "trainer.lrr=1"], "unknown config key 'trainer.lrr'"),
         (["train", str(tmp_path / "missing.yaml"), "--dry-run"], "cannot read config file"),
         (["train", "--dry-run", f"model.path={tmp_path / 'nowhere'}"], "is neither a folder nor a known alias"),
-        (["train", "configs/aime-lora.yaml", f"model.path={tiny}", "task.eval_path=/no/such.jsonl",
+        (["train", "aime_lora", f"model.path={tiny}", "task.eval_path=/no/such.jsonl",
           "--dry-run"], "cannot read math problem file /no/such.jsonl"),
         (["train", "--dry-run", "algorithm.format_reward=-1"], "algorithm.format_reward"),
         (["train", "--dry-run", "trainer.mini_batches=0"], "trainer.mini_batches"),
-        (["train", "--dry-run", "task.stop_after_sheet=maybe"], "task.stop_after_sheet"),
+        (["train", "--dry-run", "task.temporal_clue.stop_after_sheet=maybe"], "task.temporal_clue.stop_after_sheet"),
         (["train", "--dry-run", "model.lora.last_layers=0"], "model.lora.last_layers"),
+        (["train", "--dry-run", "task.difficulty=2"], "'task.difficulty' has moved to 'task.temporal_clue.difficulty'"),
+        (["train", "--dry-run", f"model.path={tiny}", "task.name=math", "task.train_path=aime2024",
+          "task.temporal_clue.difficulty=2"],
+         "task.temporal_clue.difficulty is a temporal_clue setting; task.name is math"),
         (["train", "--dry-run", "algorithm.entropy_coef=-0.01"], "algorithm.entropy_coef"),
     ]
     for argv, message in cases:
@@ -158,11 +181,13 @@ def trained_run(tiny, lowercase_task, tmp_path_factory):
     """A finished 2-iteration run of the tiny model (checkpoints 1 and 2), copied by each test."""
     from io import StringIO
 
-    from sleuth.loop import train
+    from sleuth.loop.train import train
 
     root = tmp_path_factory.mktemp("trained")
     args = [*overrides(tiny, lowercase_task, iterations=2), "loop.evaluate=false"]
-    train(load_config(default_config_path(), args), root / "run", out=StringIO())
+    cfg = load_config(recipes()["temporal_clue_direct"], args)
+    cfg.task.temporal_clue = TemporalClueConfig()  # the recipe's Temporal Clue settings: none is the user task's
+    train(cfg, root / "run", out=StringIO())
     return root / "run"
 
 
@@ -204,7 +229,7 @@ def test_new_run_refuses_a_folder_that_is_not_a_run(tmp_path, capsys):
 
 def test_a_locked_run_is_refused_naming_the_holder(trained_run, tmp_path, capsys):
     run = copy_run(trained_run, tmp_path / "run")
-    code = ("import sys; from sleuth.fsio import FolderLock; FolderLock(sys.argv[1]).acquire(); "
+    code = ("import sys; from sleuth.system.fsio import FolderLock; FolderLock(sys.argv[1]).acquire(); "
             "print('locked', flush=True); sys.stdin.readline()")
     holder = subprocess.Popen([sys.executable, "-c", code, str(run)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
@@ -239,7 +264,7 @@ def test_resume_refuses_a_planted_pickle_and_runs_nothing(trained_run, tmp_path,
     """A crafted trainer.pt (with a manifest to match) must not execute on --resume."""
     import pickle
 
-    from sleuth.checkpoint import write_manifest
+    from sleuth.run.checkpoint import write_manifest
 
     run = copy_run(trained_run, tmp_path / "run")
     marker = tmp_path / "pwned"
@@ -261,6 +286,14 @@ def test_resume_refuses_a_planted_pickle_and_runs_nothing(trained_run, tmp_path,
     assert read_tree(run) == before
 
 
+def test_user_code_lists_every_key_that_names_code(tmp_path):
+    data = {"task": {"name": "temporal_clue", "verifier": None, "episode": {"rollout": "my_agent:rollout"}},
+            "algorithm": {"advantage": "grpo", "loss": f"{tmp_path}/l.py:loss"}}
+    assert user_code(data) == ["task.episode.rollout=my_agent:rollout (module my_agent)",
+                               f"algorithm.loss={tmp_path}/l.py:loss ({tmp_path}/l.py)"]
+    assert user_code({"task": {"episode": "not a section"}, "algorithm": None}) == []
+
+
 def test_resume_announces_user_code_before_importing_it(trained_run, lowercase_task, tmp_path, capsys):
     """A run directory's config names code; --resume says which before anything imports it."""
     run = copy_run(trained_run, tmp_path / "run")
@@ -269,8 +302,8 @@ def test_resume_announces_user_code_before_importing_it(trained_run, lowercase_t
     planted.write_text(f"open({str(marker)!r}, 'w').write('ran')\ndef problems(cfg):\n    return []\n")
     config = run / "config.yaml"
     config.write_text(config.read_text().replace(str(lowercase_task), str(planted)))
-    main(["train", "--resume", str(run), "loop.iterations=0"])  # invalid: stops after the config loads
+    main(["train", "--resume", str(run), "--dry-run"])  # the start-up checks import it (no problems: an error)
     err = capsys.readouterr().err.splitlines()
     assert err[0] == (f"sleuth: note: {config} names code that this run imports and runs: "
                       f"task.name={planted}:problems ({planted})")
-    assert marker.exists()  # validating the config imports it: hence the note before
+    assert marker.exists()  # checking the config's names imports it: hence the note before

@@ -1,8 +1,11 @@
 """cluster/runtime.py: joining or starting Ray, and checking that the workers fit before placing them."""
 
+import contextlib
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -124,3 +127,92 @@ def test_transformers_engine_refuses_a_tensor_parallel_size(tiny_model_dir):
 
     with pytest.raises(ConfigError, match="transformers engine runs on one GPU"):
         make_engine(RolloutConfig(engine="hf"), str(tiny_model_dir), "float32", 0, tensor_parallel_size=2)
+
+
+def _listener(reply: bytes | None):
+    """A TCP server on a free port that accepts and then answers `reply` to anything (None: never)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    held = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            held.append(conn)
+            if reply is not None:
+                with contextlib.suppress(OSError):
+                    conn.recv(1024)
+                    conn.sendall(reply)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, held
+
+
+@pytest.mark.parametrize("reply", [None, b"HTTP/1.1 400 Bad Request\r\n\r\n", b"SSH-2.0-OpenSSH_9.6\r\n", b""])
+def test_a_port_that_is_not_ray_fails_within_connect_timeout(reply):
+    from sleuth.cluster.runtime import probe
+
+    server, _held = _listener(reply)
+    address = f"127.0.0.1:{server.getsockname()[1]}"
+    t = time.monotonic()
+    with pytest.raises(ClusterError, match=r"did not answer as a Ray cluster .*within 1\.5 s"):
+        probe(address, 1.5)
+    assert time.monotonic() - t < 3
+    server.close()
+
+
+def test_a_grpc_server_passes_the_probe():
+    from sleuth.cluster.runtime import probe
+
+    settings = bytes([0, 0, 6, 4, 0, 0, 0, 0, 0]) + bytes([0, 3, 0, 0, 0, 100])  # SETTINGS, as gRPC sends
+    server, _held = _listener(settings)
+    probe(f"127.0.0.1:{server.getsockname()[1]}", 5)
+    server.close()
+
+
+def test_dry_run_against_a_silent_port_ends_within_the_timeout_and_on_sigterm(tmp_path):
+    server, _held = _listener(None)
+    port = server.getsockname()[1]
+    t = time.monotonic()
+    proc = _sleuth(f"cluster.address=127.0.0.1:{port}", "cluster.connect_timeout_s=3", "--dry-run")
+    assert proc.returncode == 2, proc.stderr
+    assert [ln for ln in proc.stderr.splitlines() if ln.startswith("sleuth: error")] == [
+        f"sleuth: error: cluster.address=127.0.0.1:{port} accepts connections but did not answer as a Ray cluster "
+        "(a gRPC server) within 3 s (cluster.connect_timeout_s); is it the Ray head's GCS port (6379 by default)?"]
+    assert time.monotonic() - t < 60
+    # SIGTERM while it waits (a long timeout): the process ends at once
+    proc = subprocess.Popen([sys.executable, "-m", "sleuth", "train", f"cluster.address=127.0.0.1:{port}",
+                             "cluster.connect_timeout_s=600", "--dry-run"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(_held) < 2 and time.monotonic() < deadline:  # until the second run is connected and waiting
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    t = time.monotonic()
+    proc.wait(timeout=20)
+    assert proc.returncode != 0 and time.monotonic() - t < 5
+    server.close()
+
+
+def test_raylet_watch_speaks_only_when_the_raylet_died_under_the_driver(tmp_path):
+    import io
+    import os
+
+    from sleuth.cluster.raylet_watch import DONE, alive, watch
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    while alive(child.pid):  # exited but not reaped: a zombie counts as dead
+        time.sleep(0.05)
+    assert os.path.exists(f"/proc/{child.pid}")
+    dead = child.pid
+    err = io.StringIO()
+    assert not watch(dead, tmp_path, io.BytesIO(DONE), err)  # the driver ended normally
+    assert not watch(os.getpid(), tmp_path, io.BytesIO(b""), err)  # the raylet is alive: not its doing
+    assert err.getvalue() == ""
+    assert watch(dead, tmp_path, io.BytesIO(b""), err)
+    assert err.getvalue() == (f"sleuth: error: Ray's raylet on this machine (pid {dead}) died, which ended the run; "
+                              f"continue with `sleuth train --resume {tmp_path}` (from its newest valid checkpoint)\n")
+    child.wait()

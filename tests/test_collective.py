@@ -148,7 +148,7 @@ def move(policy, seed: int) -> None:
 
 @pytest.mark.slow
 def test_syncs_through_the_group_match_in_process_and_survive_a_killed_worker(pool_policy_local) -> None:
-    from sleuth.sync import InProcessTransport, WeightSync
+    from sleuth.rollout.sync import InProcessTransport, WeightSync
 
     pool, policy, local = pool_policy_local
     transport = CollectiveTransport(pool, LocalSender(policy), "gloo", 60)

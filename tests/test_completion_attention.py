@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from sleuth.train.completion_attention import CompletionAttention, length_buckets
+from sleuth.train.kernels.completion_attention import CompletionAttention, length_buckets
 
 
 def dense_reference(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, ko: torch.Tensor, vo: torch.Tensor,

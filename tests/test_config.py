@@ -2,6 +2,7 @@ import pytest
 
 from sleuth.config import Config, dump_config, load_config, valid_keys
 from sleuth.errors import ConfigError
+from sleuth.loop.checks import check_names
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -25,8 +26,8 @@ def test_unknown_key_names_nearest():
 def test_mistyped_value_names_key():
     with pytest.raises(ConfigError, match=r"config key 'trainer.lr'.*'abc'"):
         load_config(None, ["trainer.lr=abc"])
-    with pytest.raises(ConfigError, match=r"rollout\.engine"):
-        load_config(None, ["rollout.engine=tgi"])
+    with pytest.raises(ConfigError, match=r"rollout\.engine': unknown rollout engine 'tgi'"):
+        check_names(load_config(None, ["rollout.engine=tgi"]))
 
 
 def test_bad_files(tmp_path):

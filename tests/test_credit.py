@@ -8,7 +8,10 @@ import pytest
 
 from sleuth.cli import main
 from sleuth.config import load_config
-from sleuth.credit import (
+from sleuth.errors import ConfigError, UserError
+from sleuth.records import AnswerPart, Completion, Group, Problem
+from sleuth.rewards.advantages import compute_advantages, grpo, rloo
+from sleuth.rewards.credit import (
     assign_answer_credit,
     check_credit,
     has_signal,
@@ -16,11 +19,8 @@ from sleuth.credit import (
     token_char_ends,
     token_parts,
 )
-from sleuth.errors import ConfigError, UserError
-from sleuth.models import load_tokenizer
-from sleuth.records import AnswerPart, Completion, Group, Problem
+from sleuth.system.models import load_tokenizer
 from sleuth.tasks.temporal_clue.task import TemporalClueTask
-from sleuth.train.advantages import compute_advantages, grpo, rloo
 from sleuth.train.packing import pack_groups
 
 SOLUTION = {"A": "Mrs. White", "B": "Knife", "C": "Library"}
@@ -159,8 +159,8 @@ def test_bad_token_advantages_are_refused(tokenizer):
 
 
 def test_credit_on_a_task_without_answer_parts_is_a_note(tmp_path, task, capsys):
-    """The embedded default sets algorithm.credit=answer for Temporal Clue; a task that grades a
-    completion as a whole keeps sequence credit, and start-up says so in one note."""
+    """The temporal_clue recipe sets algorithm.credit=answer; a task that grades a completion as a
+    whole keeps sequence credit, and start-up says so in one note."""
     assert check_credit(load_config(None, ["algorithm.credit=answer"]), task) is None
     math_file = tmp_path / "m.jsonl"
     math_file.write_text('{"problem": "1+1", "answer": 2}\n')
@@ -172,10 +172,14 @@ def test_credit_on_a_task_without_answer_parts_is_a_note(tmp_path, task, capsys)
     assert note is not None and "task 'math' grades a completion as a whole" in note
     assert "keep sequence credit" in note
     assert check_credit(load_config(None, args), MathTask(cfg.task)) is None
-    assert main(["train", "--dry-run", "task.eval_size=2", *args]) == 0  # the embedded default: noted
-    err = capsys.readouterr().err
-    assert "sleuth: note: algorithm.credit=answer: task 'math'" in err
-    assert "sleuth: note: algorithm.format_reward=0.5: task 'math' has no format score" in err
+    # with no config another task starts from the config classes' defaults: nothing to note
+    assert main(["train", "--dry-run", "task.eval_size=2", *args]) == 0
+    assert "sleuth: note:" not in capsys.readouterr().err
+    # a Temporal Clue recipe named for another task: refused in one line (a recipe is for its own task)
+    for recipe in ("temporal_clue", "temporal_clue_direct"):
+        assert main(["train", recipe, "task.eval_size=2", *args, "--dry-run"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "task.name is math" in err[0], err
     assert main(["train", "--dry-run", "task.eval_size=2", "algorithm.credit=answers"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "algorithm.credit" in err[0]

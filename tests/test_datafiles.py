@@ -1,7 +1,7 @@
 import pytest
 
-from sleuth.datafiles import jsonl_objects, read_text_file
 from sleuth.errors import DataError
+from sleuth.system.datafiles import jsonl_objects, read_text_file
 
 
 def test_read_text_file_names_what_and_path(tmp_path):

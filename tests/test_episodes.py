@@ -6,10 +6,12 @@ import pytest
 
 from sleuth.config import TaskConfig
 from sleuth.errors import ConfigError
+from sleuth.gateway.runner import EpisodeRunner, problem_payload
+from sleuth.loop.batch import episode_metrics
 from sleuth.records import Problem, SamplingParams
-from sleuth.tasks.episodes import EpisodeRunner, episode_metrics, find_rollout, problem_payload
 from sleuth.tasks.math_python import MathPythonTask
 from sleuth.tasks.registry import build_task
+from sleuth.tasks.user import find_rollout
 from sleuth.testing.scripted import ScriptedEngine
 from sleuth.testing.tiny_model import build_tokenizer
 
@@ -44,7 +46,7 @@ def user_task(tmp_path):
 
 def runner_for(task_cfg, task, texts, max_tokens=16):
     engine = ScriptedEngine(build_tokenizer(), texts)
-    return EpisodeRunner(find_rollout(task_cfg, task), engine, engine.tokenizer, task_cfg,
+    return EpisodeRunner(find_rollout(task_cfg, task), engine, engine.tokenizer, task_cfg.episode,
                          SamplingParams(max_tokens=max_tokens))
 
 
@@ -53,7 +55,7 @@ def test_rollout_found_in_the_module_or_named(user_task):
     task = build_task(cfg)  # no verify needed: the rollout scores
     assert find_rollout(cfg, task).__name__ == "rollout"
     with pytest.raises(ConfigError, match="must be `async def rollout"):
-        find_rollout(TaskConfig(name=cfg.name, rollout=f"{user_task}:sync_rollout"), task)
+        find_rollout(TaskConfig(name=cfg.name, episode={"rollout": f"{user_task}:sync_rollout"}), task)
     math_cfg = TaskConfig(name="math", train_path=str(user_task.with_name("m.jsonl")))
     user_task.with_name("m.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": 2}) + "\n")
     assert find_rollout(math_cfg, build_task(math_cfg)) is None
@@ -61,7 +63,7 @@ def test_rollout_found_in_the_module_or_named(user_task):
 
 
 def test_failing_episodes_score_zero_and_are_counted(user_task):
-    cfg = TaskConfig(name=f"{user_task}:problems", episode_timeout_s=8)
+    cfg = TaskConfig(name=f"{user_task}:problems", episode={"timeout_s": 8})
     task = build_task(cfg)
     problems = [Problem("p", [{"role": "user", "content": "x"}], 2)]
     runner = runner_for(cfg, task, ["ok", "raise", "hang", "nan"])
@@ -82,7 +84,7 @@ def tool_call(code):
 
 def math_python_episode(tmp_path, texts):
     (tmp_path / "m.jsonl").write_text(json.dumps({"problem": "What is 6*7?", "answer": 42}) + "\n")
-    cfg = TaskConfig(name="math_python", train_path=str(tmp_path / "m.jsonl"), max_turns=3)
+    cfg = TaskConfig(name="math_python", train_path=str(tmp_path / "m.jsonl"), episode={"max_turns": 3})
     task = build_task(cfg)
     assert isinstance(task, MathPythonTask)
     runner = runner_for(cfg, task, texts, max_tokens=200)
@@ -165,5 +167,207 @@ def test_dry_run_checks_the_episode_function(user_task, tmp_path, capsys):
     base = ["train", "--dry-run", f"model.path={model}", f"task.name={user_task}:problems", "algorithm.credit=sequence", "algorithm.format_reward=0", "trainer.mini_batches=1"]
     assert main(base) == 0
     assert "episodes: rollout through the gateway, at most 8 calls each" in capsys.readouterr().out
-    assert main([*base, f"task.rollout={user_task}:missing"]) == 2
+    assert main([*base, f"task.episode.rollout={user_task}:missing"]) == 2
     assert "has no 'missing'" in capsys.readouterr().err
+
+
+HOSTILE_TASK = '''
+import asyncio, sys, time
+
+def problems(cfg):
+    return [{"prompt": f"say {i}", "answer": i} for i in range(3)]
+
+async def rollout(client, problem):
+    kind = problem["prompt"] if problem["prompt"] in KINDS else None
+    if kind is None:
+        reply = await client.chat.completions.create(model="policy", messages=problem["messages"])
+        kind = reply.choices[0].message.content
+    return await KINDS.get(kind, ok)(client, problem)
+
+async def ok(client, problem):
+    return 1.0
+
+async def sleeps(client, problem):      # blocking: holds the event loop, then returns a reward
+    time.sleep(2.5)
+    return 1.0
+
+async def spins(client, problem):       # CPU-bound for good, swallowing ordinary exceptions
+    while True:
+        try:
+            pass
+        except Exception:
+            pass
+
+async def exits(client, problem):
+    sys.exit(0)
+
+async def cancels(client, problem):
+    raise asyncio.CancelledError()
+
+async def keyerror(client, problem):
+    return problem["no such key"]
+
+async def huge(client, problem):
+    return 1e154
+
+async def huge_negative(client, problem):
+    return {"reward": -1e300, "metrics": {"x": 1}}
+
+async def no_model(client, problem):    # answers without the model
+    return 1.0
+
+KINDS = {"ok": ok, "sleeps": sleeps, "spins": spins, "exits": exits, "cancels": cancels, "keyerror": keyerror,
+         "huge": huge, "huge_negative": huge_negative, "no_model": no_model}
+'''
+
+
+@pytest.fixture
+def hostile_task(tmp_path):
+    path = tmp_path / "hostile.py"
+    path.write_text(HOSTILE_TASK)
+    return path
+
+
+def test_episode_code_cannot_escape_its_limit_or_end_the_run(hostile_task):
+    """Blocking and CPU-bound code past task.episode.timeout_s scores 0 as a timeout (the watchdog
+    frees the loop: the batch ends); sys.exit, a stray CancelledError and huge rewards are errors."""
+    import time
+
+    cfg = TaskConfig(name=f"{hostile_task}:problems", episode={"timeout_s": 1.5})
+    task = build_task(cfg)
+    kinds = ["exits", "cancels", "huge", "huge_negative", "keyerror", "sleeps", "spins"]
+    problems = [Problem(k, [{"role": "user", "content": k}], 0) for k in kinds]
+    runner = runner_for(cfg, task, ["ok"])
+    t = time.monotonic()
+    groups, outcomes = runner.run(problems, n=1, seed=0)
+    assert time.monotonic() - t < 15
+    status = {k: (o[0].status, o[0].reward) for k, o in zip(kinds, outcomes, strict=True)}
+    assert status == {"exits": ("error", 0.0), "cancels": ("error", 0.0), "huge": ("error", 0.0),
+                      "huge_negative": ("error", 0.0), "keyerror": ("error", 0.0), "sleeps": ("timeout", 0.0),
+                      "spins": ("timeout", 0.0)}
+    errors = " | ".join(o[0].error for o in outcomes)
+    assert "sys.exit(0)" in errors and "CancelledError" in errors and "within [-1e+06, 1e+06]" in errors
+    m = episode_metrics(outcomes, groups)
+    assert (m["rollout/episode_errors"], m["rollout/episode_timeouts"]) == (5, 2)
+    # the runner is usable again afterwards (the watchdog stopped with the batch), and calls work
+    ok = runner.run([Problem("p", [{"role": "user", "content": "x"}], 2)], n=2, seed=1)[1][0]
+    assert [o.status for o in ok] == ["ok", "ok"] and ok[0].episode.calls == 1
+
+
+def test_a_problem_whose_episodes_all_fail_before_the_first_call_is_dropped(hostile_task):
+    """The sampler of a training run: such a group scores 0, counts, and is dropped (not a crash)."""
+    from sleuth.config import load_config
+    from sleuth.loop.batch import Sampler
+    from sleuth.run.progress import Progress
+
+    cfg = load_config(None, [f"task.name={hostile_task}:problems", "rollout.samples_per_task=2",
+                             "loop.tasks_per_iteration=3", "algorithm.format_reward=0", "algorithm.credit=sequence",
+                             "task.episode.timeout_s=5"])
+    task = build_task(cfg.task)
+    for first in ("keyerror", "no_model", "exits", "ok"):  # every problem's prompt names what its episodes do
+        problems = {0: first, 1: "say 1", 2: "say 2"}
+
+        class Task3:
+            def train_problem(self, i, _p=problems):
+                return Problem(f"p{i}", [{"role": "user", "content": _p[i % 3]}], i)
+
+            def __getattr__(self, name):
+                return getattr(task, name)
+
+        runner = runner_for(cfg.task, task, ["ok", "ok"])
+        sampler = Sampler(cfg, runner.gateway.tokenizer, runner.gateway.engine, None, lambda _: Task3(),
+                          Progress(enabled=False), runner)
+        batch = sampler.collect(1, 0, 1, 0)
+        called = first not in ("keyerror", "no_model", "exits")
+        assert len(batch.groups) + batch.metrics["train/groups_dropped"] == 3
+        assert batch.metrics["rollout/episodes"] == 6
+        assert batch.metrics["rollout/episode_errors"] == (0 if called or first == "no_model" else 2)
+        if not called:
+            assert batch.positions == [1, 2] or batch.groups == []
+            assert batch.metrics["train/groups_dropped"] >= 1
+
+
+STUBBORN = '''
+from sleuth.task_config import EpisodeConfig
+from sleuth.records import Problem, SamplingParams
+from sleuth.gateway.runner import EpisodeRunner
+from sleuth.testing.scripted import ScriptedEngine
+from sleuth.testing.tiny_model import build_tokenizer
+
+async def rollout(client, problem):  # swallows even the watchdog's BaseException, for good
+    while True:
+        try:
+            while True:
+                pass
+        except BaseException:
+            pass
+
+engine = ScriptedEngine(build_tokenizer(), ["ok"])
+runner = EpisodeRunner(rollout, engine, engine.tokenizer, EpisodeConfig(timeout_s=0.5),
+                       SamplingParams(max_tokens=4))
+runner.run([Problem("p", [{"role": "user", "content": "x"}], 0)], n=1, seed=0)
+'''
+
+
+def test_episode_code_that_swallows_being_stopped_ends_the_process_with_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sleuth: error: episode code has held the event loop for ")
+    assert "ignores being stopped" in lines[0] and "--resume" in lines[0]
+
+
+SPINNING_AGENT = '''
+def problems(cfg):
+    return [{"prompt": f"say {i}", "answer": i} for i in range(8)]
+
+async def rollout(client, problem):
+    await client.chat.completions.create(model="policy", messages=problem["messages"], max_tokens=2)
+    if problem["answer"] % 2:
+        while True:  # CPU-bound for good, on the event loop every episode and the gateway share
+            pass
+    return float(problem["answer"] % 4 == 0)
+'''
+
+
+@pytest.mark.slow
+def test_a_spinning_agent_neither_hangs_training_nor_blocks_sigterms_checkpoint(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from sleuth.testing.tiny_model import write_tiny_model
+
+    agent = tmp_path / "spinning.py"
+    agent.write_text(SPINNING_AGENT)
+    model = write_tiny_model(tmp_path / "tiny")
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "sleuth", "train", f"model.path={model}", f"task.name={agent}:problems",
+            "rollout.engine=hf", "algorithm.credit=sequence", "algorithm.format_reward=0", "trainer.mini_batches=1",
+            "model.dtype=float32", "model.lora.enabled=false", "rollout.samples_per_task=2", "rollout.max_tokens=4",
+            "loop.iterations=50", "loop.tasks_per_iteration=2", "loop.evaluate=false", "loop.checkpoint_every=0",
+            "task.episode.timeout_s=1", "--out", str(run)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGTERM)  # very likely while an agent spins: the watchdog frees the loop
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert "checkpoint saved" in err and "Traceback" not in err
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "rollout/episodes" in r]
+    assert rows and all(r["rollout/episode_timeouts"] >= 2 and r["rollout/episodes"] == 4 for r in rows)
+    assert (run / "checkpoints").is_dir() and any((run / "checkpoints").iterdir())

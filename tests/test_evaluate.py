@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from sleuth.evaluate import majority_reward, pass_at_k, summarize
-from sleuth.scoring import mean_se
+from sleuth.eval.evaluate import summarize
+from sleuth.eval.stats import majority_reward, mean_se, pass_at_k
 
 
 def brute_pass_at_k(n: int, c: int, k: int) -> float:

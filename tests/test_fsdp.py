@@ -14,8 +14,9 @@ import torch.multiprocessing as mp
 
 from sleuth.config import AlgorithmConfig, TrainerConfig
 from sleuth.errors import UserError
-from sleuth.train.fsdp import balance_rows, empty_row, is_sharded_checkpoint, load_checkpoint, save_checkpoint
+from sleuth.train.fsdp import balance_rows, empty_row
 from sleuth.train.packing import pack_groups
+from sleuth.train.sharded import is_sharded_checkpoint, load_checkpoint, save_checkpoint
 from sleuth.train.step import Trainer
 from test_step import make_policy, random_groups
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from sleuth import fsio
 from sleuth.errors import UserError
+from sleuth.system import fsio
 
 
 def read_tree(root: Path) -> dict[str, bytes]:
@@ -103,7 +103,7 @@ def test_check_writable_names_path_and_cause(tmp_path):
 
 def test_folder_lock_names_the_holder_and_survives_dead_holders(tmp_path):
     # A process that takes the lock and is killed: its lock goes with it.
-    code = ("import sys, os, signal; from sleuth.fsio import FolderLock; FolderLock(sys.argv[1]).acquire(); "
+    code = ("import sys, os, signal; from sleuth.system.fsio import FolderLock; FolderLock(sys.argv[1]).acquire(); "
             "print('locked', flush=True); sys.stdin.readline()")
     env = dict(os.environ, PYTHONPATH=str(Path(fsio.__file__).parents[1]))
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,

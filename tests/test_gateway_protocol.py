@@ -26,7 +26,7 @@ def test_fields_parsed_with_defaults():
     ({"messages": MSG, "top_p": 0}, "'top_p' must be"),
     ({"messages": MSG, "max_tokens": "9"}, "'max_tokens' must be an integer"),
     ({"messages": MSG, "stop": ["", "x"]}, "'stop' must be"),
-    ({"messages": MSG, "stream": True}, "'stream' is not supported"),
+    ({"messages": MSG, "stream": "yes"}, "'stream' must be true or false"),
     ({"messages": MSG, "top_logprobs": 2}, "'top_logprobs' > 0 is not supported"),
     ({"messages": MSG, "logprobs": "yes"}, "'logprobs' must be true or false"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "no images"),

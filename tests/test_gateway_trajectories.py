@@ -8,10 +8,10 @@ import pytest
 from sleuth.gateway.app import Gateway, GatewayServer
 from sleuth.gateway.trajectories import EpisodeOutcome, episode_group, sequences
 from sleuth.records import Problem, SamplingParams
+from sleuth.rewards.advantages import compute_advantages
 from sleuth.rollout.hf_engine import HFEngine
 from sleuth.testing.scripted import ScriptedEngine
 from sleuth.testing.tiny_model import build_tokenizer, write_tiny_model
-from sleuth.train.advantages import compute_advantages
 
 PROBLEM = Problem("p", [{"role": "user", "content": "play"}], None)
 

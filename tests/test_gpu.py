@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sleuth.attention import PACKED, register_packed_attention
 from sleuth.records import Completion, Group, Problem, SamplingParams
 from sleuth.rollout.base import GenerationRequest
 from sleuth.rollout.hf_engine import HFEngine
+from sleuth.system.attention import PACKED, register_packed_attention
 from sleuth.testing.tiny_model import build_model, build_tokenizer
-from sleuth.train.attention import packed_mask_mod
-from sleuth.train.block_mask import layout_block_mask
+from sleuth.train.kernels.block_mask import layout_block_mask
+from sleuth.train.kernels.packed_attention import packed_mask_mod
 from sleuth.train.packing import pack_groups
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sleuth.hardware import (
+from sleuth.system.hardware import (
     bf16_fast_with,
     cpu_bf16_fast,
     cpu_description,
@@ -17,7 +17,7 @@ from sleuth.hardware import (
     parse_cpuinfo,
     resolve_dtype,
 )
-from sleuth.models import load_causal_lm
+from sleuth.system.models import load_causal_lm
 
 EPYC_AVX2 = """processor\t: 0
 vendor_id\t: AuthenticAMD

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from sleuth.config import load_config
-from sleuth.loop import train
+from sleuth.loop.train import train
 
 VOLATILE = ("time", "per_s", "mem", "mfu", "flops")
 """Metric names that measure the machine (timings, throughput), not the run."""
@@ -103,9 +103,9 @@ def test_loop_trains_logs_and_checkpoints(setup_files, tmp_path):
         # LoRA on the transformers engine: only the adapter moves (rank 4 on every linear layer)
         assert r["sync/adapter"] == 1.0 and 0 < r["sync/bytes"] < 200_000
     assert "val/reward" in rows[2] and "val/reward" not in rows[1]
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    usage = (Path(__file__).parents[1] / "docs" / "usage.md").read_text()
     for key in {k.replace("@2", "@K") for r in rows for k in r}:
-        assert f"`{key}`" in readme, f"README does not list the metric {key}"
+        assert f"`{key}`" in usage, f"docs/usage.md does not list the metric {key}"
 
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts == ["iter-000001", "iter-000002"]
@@ -145,6 +145,19 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
             proc.kill()
             raise AssertionError(f"{path} did not appear within {timeout} s")
         time.sleep(0.05)
+
+
+def kill_after_checkpoint_then_resume(args: list[str], run: Path, iteration: int, cwd: Path) -> None:
+    """`sleuth train ARGS --out RUN`, killed (-9) once checkpoint `iteration` exists (later work
+    buffered or under way by then), then `--resume RUN` to the end; both steps checked."""
+    proc = _cli(["train", *args, "--out", str(run)], cwd)
+    _wait_for(run / "checkpoints" / f"iter-{iteration:06d}", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL and not (run / "model").exists()
+    resumed = _cli(["train", "--resume", str(run)], cwd)
+    _, err = resumed.communicate(timeout=400)
+    assert resumed.returncode == 0, err[-3000:]
 
 
 class LineReader:
@@ -294,13 +307,42 @@ def test_loop_with_vllm_engine(setup_files, tmp_path):
     assert any(not (base[n] == merged[n]).all() for n in base)
 
 
+def test_rung_curriculum_fades_and_prints_kinds_and_the_held_out_difficulty(tiny_model_dir, tmp_path):
+    """Temporal Clue on the ladder: a schedule of rungs climbs after iteration 1 (threshold 0), the old
+    rung keeps the seeded fading share of the next iterations, and the run prints the held-out
+    difficulty and the per-kind table before and after, logging val/kind/* for the report."""
+    from sleuth.tasks.curriculum import Curriculum, parse_schedule
+
+    args = [f"model.path={tiny_model_dir}", "model.dtype=float32", "model.lora.rank=4", "task.name=temporal_clue",
+            "task.temporal_clue.difficulty=lookup -> elim1 at 0", "task.temporal_clue.curriculum_fade=3", "task.temporal_clue.eval_difficulty=elim2",
+            "task.eval_size=3", "task.verifier_isolation=inline", "rollout.engine=hf", "rollout.samples_per_task=2",
+            "rollout.guided_samples=0", "rollout.max_tokens=4", "loop.iterations=4", "loop.tasks_per_iteration=1",
+            "loop.eval_every=2", "loop.checkpoint_every=0", "eval.k=1", "logging.tensorboard=false", "loop.seed=5"]
+    out = StringIO()
+    train(load_config(None, args), tmp_path / "run", out=out)
+    rows = read_metrics(tmp_path / "run")
+    levels = [r["rollout/difficulty"] for r in rows[1:]]
+    want = Curriculum(parse_schedule("lookup -> elim1 at 0"), index=1, fade=3, since=1)
+    assert levels == [-2.0] + [float(want.level_for(it, 5)) for it in (2, 3, 4)]
+    assert all(f"val/kind/{k}" in rows[0] and f"val/kind/{k}" in rows[2] for k in ("who", "weapon", "where"))
+    assert 0 <= rows[0]["val/first_choice"] <= 1
+    text = out.getvalue()
+    assert "over 3 problems at difficulty elim2;" in text and "curriculum: reward" in text and "-> difficulty elim1" in text
+    before = text.index("held-out reward before training")
+    assert text.index("question kind", before) < text.index("iter 1/4")
+    after = text.index("held-out reward after training")
+    table = text[after:].splitlines()[1:5]
+    assert table[0].split()[:2] == ["question", "kind"] and table[1].split()[0] == "who" and len(table[1].split()) == 9
+
+
 def test_held_out_line_names_the_chance_level_and_the_best_constant_answer():
-    from sleuth.loop import _val_text_dict
+    from sleuth.loop.train import _val_text_dict
 
     v = {"avg": 0.4513, "avg_se": 0.0621, "k": 4, "problems": 16, "chance": 0.3968, "constant": 0.4926}
     assert _val_text_dict(v) == "0.451 ± 0.062 (avg@4 over 16 problems; chance 0.397, best constant answer 0.493)"
     assert _val_text_dict(v | {"constant": None}) == "0.451 ± 0.062 (avg@4 over 16 problems; chance 0.397)"
     assert _val_text_dict(v | {"chance": None, "constant": None}).endswith("; chance unknown)")
+    assert _val_text_dict(v | {"difficulty": "elim1"}).startswith("0.451 ± 0.062 (avg@4 over 16 problems at difficulty elim1; ")
 
 
 @pytest.mark.slow

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from sleuth.cli.train import default_config_path
 from sleuth.config import load_config
-from sleuth.loop import train
+from sleuth.loop.train import train
 from test_loop import read_metrics
 
 ITERATIONS = 4
@@ -37,7 +36,7 @@ def setup(tmp_path_factory, tiny_model_dir, lowercase_task):
         "loop.deterministic=true", "logging.tensorboard=false",
     ]
     reference = root / "reference"
-    train(load_config(default_config_path(), args), reference, out=StringIO())
+    train(load_config(None, args), reference, out=StringIO())  # as `sleuth train` runs a user task
     return root, args, read_metrics(reference)
 
 
@@ -92,7 +91,7 @@ class Cli:
 def test_default_run_never_imports_ray(setup, monkeypatch, tmp_path):
     _, args, _ = setup
     monkeypatch.setitem(sys.modules, "ray", None)  # any `import ray` now raises ImportError
-    result = train(load_config(default_config_path(), [*args, "loop.iterations=1"]), tmp_path / "run",
+    result = train(load_config(None, [*args, "loop.iterations=1"]), tmp_path / "run",
                    out=StringIO())
     assert result.iterations_done == 1
 
@@ -186,7 +185,7 @@ def test_two_vllm_rollout_workers_match_one_vllm_process(setup, tmp_path):
     pytest.importorskip("vllm")
     _, args, _ = setup
     vllm = ["rollout.engine=vllm", "rollout.kv_cache_gb=0.25"]
-    train(load_config(default_config_path(), [*args, *vllm]), tmp_path / "one", out=StringIO())
+    train(load_config(None, [*args, *vllm]), tmp_path / "one", out=StringIO())
     want = read_metrics(tmp_path / "one")
     run = Cli([*args, *vllm, *RAY, "--out", str(tmp_path / "two")], tmp_path)
     assert run.finish() == 0, "".join(run.err)[-3000:]
@@ -207,3 +206,35 @@ def test_killed_trainer_rank_stops_the_run_with_one_line_naming_it_and_the_check
     assert len(errors) == 1, "".join(run.err)[-3000:]
     assert "trainer rank 1 died" in errors[0] and "iter-00000" in errors[0] and "--resume" in errors[0]
     assert "Traceback" not in "".join(run.err)
+
+
+def test_killed_raylet_stops_the_run_with_one_line_and_a_resume_hint(setup, tmp_path):
+    _, args, _ = setup
+    run = Cli([*args, *RAY, "--out", str(tmp_path / "run")], tmp_path)
+    wait_for_file(tmp_path / "run" / "checkpoints" / "iter-000001" / "manifest.json")
+    session = os.getsid(run.proc.pid)
+    raylets = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _comm(p) == "raylet"
+               and _sid(p) == session]
+    assert len(raylets) == 1
+    os.kill(raylets[0], signal.SIGKILL)
+    assert run.proc.wait(timeout=400) != 0
+    time.sleep(2)  # the watcher's line follows the driver's exit
+    run.finish()
+    errors = [line for line in run.err if line.startswith("sleuth: error")]
+    assert len(errors) == 1, "".join(run.err)[-3000:]
+    assert f"raylet on this machine (pid {raylets[0]}) died" in errors[0]
+    assert f"sleuth train --resume {tmp_path / 'run'}" in errors[0] and "Traceback" not in "".join(run.err)
+
+
+def _comm(proc: Path) -> str:
+    try:
+        return (proc / "comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _sid(proc: Path) -> int:
+    try:
+        return int((proc / "stat").read_text().rpartition(")")[2].split()[3])
+    except (OSError, ValueError, IndexError):
+        return -1

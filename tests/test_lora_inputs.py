@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from sleuth.train.lora_inputs import UpcastLinear, keep_inputs_in_base_dtype
+from sleuth.train.kernels.lora_inputs import UpcastLinear, keep_inputs_in_base_dtype
 
 
 def _peft(tiny_model_dir, dropout: float = 0.0):

@@ -9,9 +9,10 @@ import pytest
 
 from sleuth.config import TaskConfig
 from sleuth.errors import ConfigError, DataError
+from sleuth.system.datafiles import data_path
 from sleuth.tasks.math import INSTRUCTION, MathTask, answers_equal, extract_answer, load_math_problems
 
-AIME = Path(__file__).parents[1].parent / "shared/data/aime2024.jsonl"
+AIME = data_path("aime2024")
 
 
 @pytest.mark.parametrize(
@@ -68,8 +69,6 @@ def test_huge_integer_answers_compare_without_int_conversion() -> None:
 
 
 def test_task_on_aime_file() -> None:
-    if not AIME.is_file():
-        pytest.skip(f"AIME data not found at {AIME}")
     task = MathTask(TaskConfig(name="math", train_path=str(AIME), eval_size=30, seed=1))
     evals = task.eval_problems()
     assert len(evals) == 30 and len({p.id for p in evals}) == 30
@@ -117,7 +116,7 @@ def test_bad_data_and_config(tmp_path: Path) -> None:
 def test_symbolic_answers_through_a_verifier_worker(tmp_path: Path) -> None:
     # math-verify times itself with SIGALRM: this checks it works inside the worker process.
     from sleuth.records import Completion, Group
-    from sleuth.scoring import VerifierRunner, score_groups
+    from sleuth.rewards.verifier import VerifierRunner, score_groups
 
     data = tmp_path / "m.jsonl"
     data.write_text(json.dumps({"problem": "Half?", "answer": "\\frac{1}{2}"}) + "\n")

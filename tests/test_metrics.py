@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from sleuth.config import LoggingConfig
 from sleuth.errors import UserError
-from sleuth.metrics import MetricsWriter
+from sleuth.run.metrics import MetricsWriter, read_metrics
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -187,3 +187,15 @@ def test_mlflow_gets_a_run_in_the_run_dir_params_and_finite_metrics(tmp_path: Pa
     with MetricsWriter(tmp_path / "run", cfg):  # a resumed run continues the same MLflow run
         pass
     assert fake.calls[-2] == ("start", ("mlrun1", None))
+
+
+def test_read_metrics_gives_todays_keys_for_new_and_old_rows(tmp_path: Path) -> None:
+    with MetricsWriter(tmp_path, LoggingConfig(tensorboard=False)) as w:
+        w.log(1, {"time/iteration_s": 2.5, "rollout/reward_mean": 0.25})
+    with (tmp_path / "metrics.jsonl").open("a") as f:  # a row as runs before the namespaces wrote it
+        f.write(json.dumps({"iteration": 2, "time_iteration_s": 3.0, "val_pass@4": 0.5}) + "\n")
+    rows = read_metrics(tmp_path)
+    assert rows == [{"iteration": 1, "time/iteration_s": 2.5, "rollout/reward_mean": 0.25},
+                    {"iteration": 2, "time/iteration_s": 3.0, "val/pass@4": 0.5}]
+    with pytest.raises(UserError, match=r"no metrics\.jsonl"):
+        read_metrics(tmp_path / "elsewhere")

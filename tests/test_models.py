@@ -8,7 +8,7 @@ import pytest
 from sleuth.cli import main
 from sleuth.config import ModelConfig
 from sleuth.errors import UserError
-from sleuth.models import load_causal_lm, load_tokenizer
+from sleuth.system.models import load_causal_lm, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_corrupt_config_json_is_caught_by_dry_run(broken, capsys):
 
 
 def test_lora_targets_are_checked_against_the_model(tiny, capsys):
-    message = dry_run_error(capsys, f"model.path={tiny}", "model.lora.target_modules=[q_proj,qproj]")
+    message = dry_run_error(capsys, f"model.path={tiny}", "model.lora.enabled=true", "model.lora.target_modules=[q_proj,qproj]")
     assert "model.lora.target_modules: 'qproj' is not a module of the model (its linear layers: " in message
     assert "q_proj" in message
     from sleuth.train.policy import Policy
@@ -62,3 +62,19 @@ def test_lora_targets_are_checked_against_the_model(tiny, capsys):
     with pytest.raises(UserError, match="'qproj' is not a module of the model"):
         Policy.from_config(ModelConfig(path=str(tiny), dtype="float32",
                                        lora={"target_modules": ["qproj"]}), need_reference=False, device="cpu")
+
+
+def test_model_config_is_transformers_own_class_whatever_autoconfig_holds(tiny, monkeypatch):
+    """vLLM registers config classes of its own into AutoConfig for some model types (DeepSeek V3.2
+    and V4, Kimi Linear) when it loads such a model; the folder's config must still be the class
+    transformers' model takes, so a later export or reload in the same process works."""
+    from transformers import AutoConfig, LlamaConfig, Qwen2Config
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from sleuth.system.models import causal_lm_class, model_config
+
+    monkeypatch.setitem(CONFIG_MAPPING._extra_content, "llama", Qwen2Config)  # what AutoConfig.register does
+    assert type(AutoConfig.from_pretrained(tiny)) is Qwen2Config
+    config = model_config(Path(tiny))
+    assert type(config) is LlamaConfig
+    assert causal_lm_class(config).__name__ == "LlamaForCausalLM"

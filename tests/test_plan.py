@@ -7,7 +7,7 @@ import pytest
 from sleuth.cluster.plan import ModelShape, describe, trainer_memory
 from sleuth.cluster.runtime import Node
 from sleuth.config import load_config
-from sleuth.models import layer_linear_names
+from sleuth.system.models import layer_linear_names
 from sleuth.testing.tiny_model import write_tiny_model
 
 QWEN_14B = {"model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 48,

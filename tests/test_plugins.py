@@ -10,8 +10,9 @@ import pytest
 
 from sleuth.config import AlgorithmConfig, TaskConfig, load_config
 from sleuth.errors import ConfigError
+from sleuth.loop.checks import check_names
 from sleuth.plugins import check_arity, load_function, load_object, unknown_name
-from sleuth.train.advantages import ESTIMATORS, get_advantage, register_advantage
+from sleuth.rewards.advantages import ESTIMATORS, get_advantage, register_advantage
 from sleuth.train.losses import LOSSES, get_loss, ppo_clip, register_loss
 
 
@@ -65,23 +66,24 @@ def test_registered_names_are_valid_in_the_config() -> None:
         ("algorithm.advantage=grop", r"config key 'algorithm.advantage': unknown advantage 'grop' \(did you mean 'grpo'"),
         ("algorithm.loss=gpso", r"unknown policy loss 'gpso' \(did you mean 'gspo'"),
         ("algorithm.aggregation=token_man", r"'algorithm.aggregation': unknown value 'token_man' \(did you mean 'token_mean'"),
-        ("rollout.engine=vlm", r"'rollout.engine': unknown value 'vlm' \(did you mean 'vllm'"),
         ("task.name=temporal-clue", r"'task.name': unknown task 'temporal-clue' \(did you mean 'temporal_clue'"),
+        ("rollout.engine=vlm", r"'rollout.engine': unknown rollout engine 'vlm' \(did you mean 'vllm'"),
         ("algorithm.advantage=sleuth.train.losses:ppo_clip", r"takes \(logp, .*expected fn\(rewards"),
-        ("algorithm.loss=sleuth.train.advantages:grpo", r"loss 'sleuth.train.advantages:grpo' takes \(rewards\)"),
+        ("algorithm.loss=sleuth.rewards.advantages:grpo", r"loss 'sleuth.rewards.advantages:grpo' takes \(rewards\)"),
         ("algorithm.tis_cap=0", "tis_cap': Input should be greater than 0"),
         ("trainer.betas=[0.9,1.5]", "less than 1"),
-        ("task.verifier=sleuth.train.advantages:grpo", "verifier 'sleuth.train.advantages:grpo' takes"),
+        ("task.verifier=sleuth.rewards.advantages:grpo", "verifier 'sleuth.rewards.advantages:grpo' takes"),
     ],
 )
-def test_bad_names_fail_when_the_config_loads(override: str, message: str) -> None:
+def test_bad_names_fail_at_the_start_up_check(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [override])
+        check_names(load_config(None, [override]))
 
 
-def test_direct_construction_raises_the_same_error() -> None:
+def test_a_directly_built_config_gets_the_same_error() -> None:
+    cfg = load_config(None).model_copy(update={"task": TaskConfig(name="maths")})
     with pytest.raises(ConfigError, match=r"config key 'task\.name': unknown task 'maths'"):
-        TaskConfig(name="maths")
+        check_names(cfg)
 
 
 def test_dry_run_exits_2_on_an_unknown_advantage(tmp_path: Path) -> None:

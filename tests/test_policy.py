@@ -8,7 +8,7 @@ from sleuth.config import LoraConfig, ModelConfig
 from sleuth.errors import UserError
 from sleuth.records import Completion, Group, Problem
 from sleuth.testing.tiny_model import write_tiny_model
-from sleuth.train.attention import backend_for
+from sleuth.train.kernels.packed_attention import backend_for
 from sleuth.train.packing import pack_groups
 from sleuth.train.policy import Policy
 

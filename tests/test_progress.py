@@ -2,7 +2,7 @@ import io
 
 from rich.console import Console
 
-from sleuth.progress import Progress
+from sleuth.run.progress import Progress
 
 
 def test_bars_count_and_draw_on_stderr_only(capsys):

@@ -123,7 +123,7 @@ def test_nf4_table_matches_bitsandbytes_nf4() -> None:
     stores: the same code book and block scales, so the same dequantized values."""
     from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 
-    from sleuth.train.quantized_embedding import NF4Embedding
+    from sleuth.train.kernels.quantized_embedding import NF4Embedding
 
     weight = torch.randn(300, 192, generator=torch.Generator().manual_seed(3)) * 0.05
     ours = NF4Embedding(weight, torch.float32)
@@ -140,7 +140,7 @@ def test_nf4_table_matches_bitsandbytes_nf4() -> None:
 def test_nf4_quantizes_a_tied_embedding_and_its_head(tied_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from sleuth.train.quantized_embedding import NF4Embedding, TiedNF4Head
+    from sleuth.train.kernels.quantized_embedding import NF4Embedding, TiedNF4Head
 
     policy = quantized_policy(tied_dir, "nf4")
     lm = policy.causal_lm

@@ -12,9 +12,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from sleuth.train import recompute
-from sleuth.train.lora_inputs import keep_inputs_in_base_dtype
-from sleuth.train.recompute import recompute_cheap_activations
+from sleuth.train.kernels import recompute
+from sleuth.train.kernels.lora_inputs import keep_inputs_in_base_dtype
+from sleuth.train.kernels.recompute import recompute_cheap_activations
 
 
 def _lora(tiny_model_dir):
@@ -119,7 +119,7 @@ def test_replaced_tensors_are_freed_after_forward(tiny_model_dir, monkeypatch):
 def test_grouped_query_attention_keeps_the_key_value_heads_only(count_saved):
     """The packed attention keeps the key/value heads, not their repeats, and gives the same gradients."""
     from sleuth.records import Completion, Group, Problem
-    from sleuth.train.attention import row_layout
+    from sleuth.train.kernels.packed_attention import row_layout
     from sleuth.train.packing import pack_groups
 
     prompt, comps = list(range(3, 40)), [[50, 51, 52], [60, 61, 62, 63, 64]]

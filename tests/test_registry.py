@@ -8,12 +8,13 @@ import pytest
 
 from sleuth.config import TaskConfig
 from sleuth.errors import ConfigError
+from sleuth.system.datafiles import data_path
 from sleuth.tasks import registry
 from sleuth.tasks.math import MathTask
 from sleuth.tasks.registry import TASKS, build_task
 from sleuth.tasks.temporal_clue.task import TemporalClueTask
 
-AIME = Path(__file__).parents[1].parent / "shared/data/aime2024.jsonl"
+AIME = data_path("aime2024")
 
 
 def test_builds_registered_tasks(tmp_path: Path) -> None:
@@ -24,11 +25,9 @@ def test_builds_registered_tasks(tmp_path: Path) -> None:
 
 
 def test_every_registered_factory_is_importable() -> None:
-    import importlib
 
-    for name, target in TASKS.items():
-        module, _, factory = target.partition(":")
-        assert callable(getattr(importlib.import_module(module), factory)), name
+    for name in list(TASKS):
+        assert callable(TASKS.resolve(name)), name
 
 
 def test_unknown_name_suggests_nearest() -> None:

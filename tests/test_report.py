@@ -16,8 +16,7 @@ import pytest
 
 from sleuth.cli import main
 from sleuth.config import Config, LoggingConfig, dump_config
-from sleuth.metrics import MetricsWriter, upgrade_row
-from sleuth.report import (
+from sleuth.eval.report import (
     fit_power_law,
     load_eval_summaries,
     load_run,
@@ -26,6 +25,7 @@ from sleuth.report import (
     select_samples,
     write_report,
 )
+from sleuth.run.metrics import MetricsWriter, upgrade_row
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_PLOTS = {"reward", "val_power_law", "completion_len", "entropy_kl", "clip_frac", "loss", "time"}
@@ -66,7 +66,7 @@ def test_fit_power_law_recovers_exponent_and_ignores_nonpositive_points() -> Non
 
 
 def test_power_law_fit_stops_at_the_best_validation_point() -> None:
-    from sleuth.report import plot_power_law
+    from sleuth.eval.report import plot_power_law
 
     rows = [{"iteration": it, "val/reward": 0.1 * it**0.5} for it in (1, 2, 4, 8, 16)]
     rows += [{"iteration": 32, "val/reward": 0.2}, {"iteration": 64, "val/reward": 0.1}]  # decline
@@ -182,7 +182,7 @@ def test_eval_summaries_give_a_cost_accuracy_plot(tmp_path: Path) -> None:
     assert "<td>trained</td>" in page and page.count("data:image/png;base64,") == 1
     # Zero prices (the default): tokens per problem stand in for cost.
     _summary(evals / "base-k4", "smollm2-135m-instruct", 0.2, 0.0, 1200)
-    from sleuth.report import plot_eval_frontier
+    from sleuth.eval.report import plot_eval_frontier
 
     plot, why = plot_eval_frontier(load_eval_summaries([evals]))
     assert plot is not None and why == "" and plot.png.startswith(PNG_MAGIC)
@@ -260,3 +260,50 @@ def test_a_run_with_the_old_flat_names_reports_the_same(tmp_path: Path) -> None:
     pages = [write_report(run, tmp_path / f"out-{run.name}") for run in (new, old)]
     assert {p.stem for p in (tmp_path / "out-old").glob("*.png")} == ALL_PLOTS
     assert pages[0].read_text().replace("new", "old") == pages[1].read_text()
+
+
+@pytest.mark.parametrize("depth", [50, 900, 990, 5_000, 200_000])
+def test_deeply_nested_lines_and_summaries_never_end_the_report(tmp_path: Path, capsys, depth: int) -> None:
+    """Nested too deeply to read: the line is skipped with a warning; readable but deep: shown."""
+    run = make_run(tmp_path / "run", iterations=6)
+    nested = "[" * depth + "]" * depth
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"iteration": 6, "reward_mean": 0.5, "deep": ' + nested + "}\n")
+        f.write('{"iteration": 7, "rollout/reward_mean": 0.5}\n')
+    with (run / "samples.jsonl").open("a") as f:
+        f.write('{"iteration": 6, "problem_id": "p", "reward": 1.0, "kind": "best", "text": ' + nested + "}\n")
+    evals = tmp_path / "evals"
+    evals.mkdir()
+    (evals / "deep.json").write_text('{"avg@k": 0.5, "k": 1, "model": ' + nested + "}")
+    _summary(evals / "ok", "m", 0.4, 1.0, 100.0)
+    assert main(["report", str(run), "--eval", str(evals)]) == 0
+    captured = capsys.readouterr()
+    assert Path(captured.out.strip()) == run / "report" / "report.html"
+    assert "Traceback" not in captured.err
+    if depth > 2000:
+        assert "nested too deeply" in captured.err
+    assert main(["report", str(run), "--out", str(tmp_path / "r2"), "--eval", str(evals / "deep.json")]) in (0, 2)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and all(line.startswith("sleuth") for line in err.splitlines())
+
+
+def test_per_kind_accuracy_is_a_curve_over_the_run(tmp_path: Path) -> None:
+    """val/kind/KIND from every held-out evaluation (before, every few iterations, after) becomes
+    one line per kind, in the who / weapon / where / when / why / bonus order."""
+    from sleuth.eval.report import load_run, plot_kinds
+
+    run = tmp_path / "run"
+    with MetricsWriter(run, LoggingConfig(tensorboard=False)) as w:
+        for it in range(0, 9):
+            m: dict = {"rollout/reward_mean": 0.3} if it else {}
+            if it % 2 == 0:
+                m |= {"val/reward": 0.3 + it / 50, "val/kind/bonus": 0.2, "val/kind/who": 0.3 + it / 40,
+                      "val/kind/where": 0.5}
+            w.log(it, m)
+    rows = load_run(run).metrics
+    plot = plot_kinds(rows)
+    assert plot is not None and plot.name == "kinds" and plot.png.startswith(PNG_MAGIC)
+    out = tmp_path / "out"
+    write_report(run, out)
+    assert (out / "kinds.png").is_file()
+    assert plot_kinds([{"iteration": 1, "val/reward": 0.3}]) is None

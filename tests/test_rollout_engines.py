@@ -416,7 +416,7 @@ def test_adapter_folder_is_a_peft_adapter(tmp_path, reference):
     # The folder vLLM's native LoRA path loads: PEFT must read it back to the same merged weights.
     from peft import PeftModel
 
-    from sleuth.rollout.vllm_engine import write_adapter
+    from sleuth.rollout.vllm_weights import write_adapter
 
     gen = torch.Generator().manual_seed(1)
     tensors = {}
@@ -453,3 +453,14 @@ def test_vllm_step_failure_reaches_callers(engines):
         eng.generate_all([req(2, 4)])
     with pytest.raises(RuntimeError, match="VLLMEngine stopped after an error"):
         eng.sync_weights([])
+
+
+def test_vllm_refusal_reason_is_one_line_with_its_cause() -> None:
+    """A validation error whose first line is only a heading keeps the line that says why."""
+    from sleuth.rollout.vllm_weights import load_error
+
+    heading = ValueError("Class validation error for validator 'validate_layer_type':\n"
+                         "    ValueError: The `mlp_layer_types` entries must be in ('sparse', 'dense')\n  more")
+    assert load_error(heading) == ("ValueError: Class validation error for validator 'validate_layer_type': "
+                                    "ValueError: The `mlp_layer_types` entries must be in ('sparse', 'dense')")
+    assert load_error(KeyError("q_proj")) == "KeyError: 'q_proj'"

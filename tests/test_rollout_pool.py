@@ -15,7 +15,7 @@ from sleuth.config import ClusterConfig, RolloutConfig
 from sleuth.records import LoraAdapter, SamplingParams
 from sleuth.rollout.base import GenerationRequest
 from sleuth.rollout.factory import make_engine
-from sleuth.sync import RayTransport
+from sleuth.rollout.sync import RayTransport
 from sleuth.testing.tiny_model import write_tiny_model
 
 ray = pytest.importorskip("ray")
@@ -79,7 +79,7 @@ def test_weight_and_lora_sync_through_the_object_store(pool_and_local):
     pool, local = pool_and_local
     gen = torch.Generator().manual_seed(0)
     new = [(n, p.detach() + 0.05 * torch.randn(p.shape, generator=gen)) for n, p in local.model.named_parameters()]
-    moved = RayTransport().send_full(pool, new)  # what sleuth.sync.WeightSync calls
+    moved = RayTransport().send_full(pool, new)  # what sleuth.rollout.sync.WeightSync calls
     local.sync_weights(new)
     assert moved == sum(t.numel() * 4 for _, t in new)
     reqs = requests()

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from sleuth.config import load_config
-from sleuth.loop import setup
-from sleuth.progress import Progress
+from sleuth.loop.batch import Sampler, mask_truncated, overlong_penalty
+from sleuth.loop.train import setup
 from sleuth.records import Completion, Group, Problem
-from sleuth.sampling import Sampler, mask_truncated, overlong_penalty
+from sleuth.run.progress import Progress
 from sleuth.testing.tiny_model import write_tiny_model
 
 TASK_SOURCE = '''
@@ -162,7 +162,7 @@ def test_format_reward_is_its_own_reward_term_and_breaks_ties():
 
 
 def test_format_reward_on_a_task_without_a_format_score_is_a_note(files):
-    from sleuth.sampling import check_format_reward
+    from sleuth.loop.batch import check_format_reward
     from sleuth.tasks.registry import build_task
 
     _, task_file = files

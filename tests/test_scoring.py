@@ -12,8 +12,9 @@ import time
 
 import pytest
 
+from sleuth.eval.stats import chance_level, mean_se
 from sleuth.records import Completion, Group, Problem
-from sleuth.scoring import ScoreStats, VerifierRunner, call_inline, chance_level, score_groups
+from sleuth.rewards.verifier import ScoreStats, VerifierRunner, call_inline, score_groups
 from sleuth.tasks.base import Task
 
 PROBLEM = Problem("p0", [{"role": "user", "content": "q"}], "answer", {})
@@ -199,3 +200,19 @@ def test_inline_keyboard_interrupt_becomes_a_stop_request() -> None:
         signal.signal(signal.SIGINT, previous)
     assert outcome.error and outcome.message == "verifier raised KeyboardInterrupt"
     assert received == [signal.SIGINT]
+
+
+@pytest.mark.parametrize("values", [[1e154, -1e154, 3e153], [1e308, -1e308], [1.7e308, 1.7e308, -1.7e308],
+                                    [5e-324, 0.0], [1e300] * 5, [-1e200, 1.0, 2.0]])
+def test_mean_se_of_huge_finite_values_never_overflows(values):
+
+    mean, se = mean_se(values)
+    assert math.isfinite(mean) and math.isfinite(se) and se >= 0
+    scale = max(abs(v) for v in values)
+    exact_mean = sum(v / scale for v in values) / len(values) * scale
+    assert mean == pytest.approx(exact_mean, rel=1e-9, abs=1e-300)
+
+
+def test_mean_se_unchanged_for_ordinary_rewards():
+    assert mean_se([0.0, 1.0, 1.0, 0.0]) == pytest.approx((0.5, (1 / 3) ** 0.5 / 2))
+    assert mean_se([]) == (0.0, 0.0) and mean_se([0.0, 0.0]) == (0.0, 0.0) and mean_se([2.5]) == (2.5, 0.0)

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from sleuth.attention import PACKED, register_packed_attention
 from sleuth.config import AlgorithmConfig, LoraConfig, ModelConfig, TrainerConfig
 from sleuth.errors import UserError
 from sleuth.records import Completion, Group, Problem
+from sleuth.rewards.advantages import compute_advantages
+from sleuth.system.attention import PACKED, register_packed_attention
 from sleuth.testing.tiny_model import build_model, build_tokenizer
-from sleuth.train.advantages import compute_advantages
 from sleuth.train.packing import loss_mask, pack_groups
 from sleuth.train.policy import Policy
 from sleuth.train.step import METRIC_KEYS, SelfCheckError, Trainer, _PassCache, split_mini_batches
@@ -504,7 +504,7 @@ def test_mini_batches_are_one_optimizer_step_each() -> None:
 
 
 USER_ALGOS = '''
-from sleuth.train.advantages import grpo
+from sleuth.rewards.advantages import grpo
 from sleuth.train.losses import ppo_clip
 
 

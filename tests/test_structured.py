@@ -1,4 +1,4 @@
-"""Structured output (sleuth.structured): answer patterns, the start-up checks, and vLLM sampling
+"""Structured output (sleuth.rollout.constraints): answer patterns, the start-up checks, and vLLM sampling
 only completions that match them, in training and in the held-out evaluation."""
 
 from __future__ import annotations
@@ -16,16 +16,15 @@ from sleuth.config import load_config
 from sleuth.errors import ConfigError, DataError, UserError
 from sleuth.records import Problem, SamplingParams
 from sleuth.rollout.base import GenerationRequest, check_request
-from sleuth.structured import (
+from sleuth.rollout.constraints import (
     TokenMasks,
     attach_token_masks,
     check_structured_output,
     constrained,
     guided_samples,
-    one_of,
-    regex_literal,
     resolve_guided_samples,
 )
+from sleuth.tasks.patterns import one_of, regex_literal
 from sleuth.tasks.temporal_clue.grade import grade, valid_fraction
 from sleuth.tasks.temporal_clue.task import TemporalClueTask
 
@@ -92,7 +91,7 @@ def allowed_at(bitmask, k: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def smol_tokenizer():
-    from sleuth.models import load_tokenizer, resolve_model_path
+    from sleuth.system.models import load_tokenizer, resolve_model_path
 
     return load_tokenizer(str(resolve_model_path(load_config(None, []).model.path)))
 
@@ -149,7 +148,7 @@ def test_constrained_sets_the_regex_only_when_on(tc_task):
 
 
 def test_the_task_stop_strings_end_the_sheet_in_training_and_evaluation(tc_task):
-    """task.stop_after_sheet: a completion ends where a line would start the question after the
+    """task.temporal_clue.stop_after_sheet: a completion ends where a line would start the question after the
     sheet's last; `constrained` (which the sampler and the evaluation both call) adds it."""
     from sleuth.tasks.temporal_clue.task import TemporalClueTask
 
@@ -157,7 +156,7 @@ def test_the_task_stop_strings_end_the_sheet_in_training_and_evaluation(tc_task)
     last = max(problem.answer)
     base = SamplingParams(temperature=0.7, max_tokens=64, stop=("</s>",))
     assert tc_task.stop_strings(problem) == [] and constrained(base, tc_task, problem, enabled=False) is base
-    task = TemporalClueTask(load_config(None, ["task.stop_after_sheet=true"]).task)
+    task = TemporalClueTask(load_config(None, ["task.temporal_clue.stop_after_sheet=true"]).task)
     stop = f"\n{chr(ord(last) + 1)}."
     assert task.stop_strings(problem) == [stop]
     assert constrained(base, task, problem, enabled=False).stop == ("</s>", stop)
@@ -186,9 +185,9 @@ def test_guided_samples_at_start_up(tc_task, tmp_path):
     """rollout.guided_samples is drawn on vLLM for a task with an answer pattern; elsewhere the run
     starts with a note and draws every sample freely (the embedded default sets one); leaving no
     free sample is an error."""
-    from sleuth.cli.train import default_config_path
+    from sleuth.cli.train import recipes
 
-    assert load_config(default_config_path()).rollout.guided_samples == 1  # the embedded default
+    assert load_config(recipes()["temporal_clue_direct"]).rollout.guided_samples == 1  # the direct-answer recipe
     guided = load_config(None, ["rollout.guided_samples=2"])
     assert guided_samples(guided, tc_task, "vllm") == (2, None)
     n, note = guided_samples(guided, tc_task, "hf")
@@ -221,15 +220,15 @@ def test_dry_run_refuses_the_hf_engine(capsys):
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
 def test_dry_run_says_how_many_samples_are_guided(capsys):
-    assert main(["train", "--dry-run", "task.eval_size=2", "rollout.engine=vllm"]) == 0
+    assert main(["train", "temporal_clue_direct", "task.eval_size=2", "rollout.engine=vllm", "--dry-run"]) == 0
     assert "x 8 samples (1 guided), up to" in capsys.readouterr().out
-    assert main(["train", "--dry-run", "task.eval_size=2", "rollout.engine=hf"]) == 0
+    assert main(["train", "temporal_clue_direct", "task.eval_size=2", "rollout.engine=hf", "--dry-run"]) == 0
     out, err = capsys.readouterr()
     assert "x 8 samples, up to" in out and err.strip() == (
         "sleuth: note: rollout.guided_samples=1: the hf engine has no structured outputs (rollout.engine=vllm has), "
         "so every sample is drawn freely; set rollout.guided_samples=0 to say so")
-    assert main(["train", "--dry-run", "task.eval_size=2", "rollout.engine=vllm", "rollout.guided_samples=3",
-                 "rollout.samples_per_task=3"]) == 2
+    assert main(["train", "temporal_clue_direct", "task.eval_size=2", "rollout.engine=vllm", "rollout.guided_samples=3",
+                 "rollout.samples_per_task=3", "--dry-run"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "rollout.guided_samples=3 leaves no free sample" in err[0]
 
@@ -261,10 +260,10 @@ def test_user_task_answer_pattern(tmp_path):
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
 def test_vllm_samples_only_matching_completions_in_training_and_evaluation(tiny_model_dir, tmp_path):
-    from sleuth.evaluate import eval_sampling, evaluate
-    from sleuth.loop import setup
-    from sleuth.progress import Progress
-    from sleuth.sampling import Sampler
+    from sleuth.eval.evaluate import eval_sampling, evaluate
+    from sleuth.loop.batch import Sampler
+    from sleuth.loop.train import setup
+    from sleuth.run.progress import Progress
     from sleuth.train.packing import pack_groups
 
     task_file = tmp_path / "yes_no.py"
@@ -325,9 +324,9 @@ def test_vllm_guided_samples_join_free_ones_in_each_group(tiny_model_dir, tmp_pa
     completions (the random-init model leaves the pattern) and two guided ones that match it, one
     without a pattern six free ones; rollout metrics keep them apart, and the packed rows mark
     exactly the guided completions' tokens."""
-    from sleuth.loop import setup
-    from sleuth.progress import Progress
-    from sleuth.sampling import Sampler
+    from sleuth.loop.batch import Sampler
+    from sleuth.loop.train import setup
+    from sleuth.run.progress import Progress
     from sleuth.train.packing import pack_groups
 
     task_file = tmp_path / "yes_no.py"  # odd problems have no answer pattern: their groups are all free

@@ -6,12 +6,12 @@ from collections.abc import Iterable
 
 import torch
 
-from sleuth.attention import PACKED, register_packed_attention
 from sleuth.config import LoraConfig, ModelConfig
 from sleuth.records import LoraAdapter
 from sleuth.rollout.base import RolloutEngine
 from sleuth.rollout.hf_engine import HFEngine
-from sleuth.sync import InProcessTransport, WeightSync, choose_mode, pack_buckets, unpack
+from sleuth.rollout.sync import InProcessTransport, WeightSync, choose_mode, pack_buckets, unpack
+from sleuth.system.attention import PACKED, register_packed_attention
 from sleuth.testing.tiny_model import build_model, build_tokenizer
 from sleuth.train.policy import Policy
 

@@ -147,8 +147,8 @@ def test_difficulty_one_puzzles_are_small() -> None:
         assert puzzle_record(p)["difficulty"] == 1
 
 
-@pytest.mark.parametrize("difficulty", [0, 7, -1])
-def test_bad_difficulty_is_a_user_error(difficulty: int) -> None:
+@pytest.mark.parametrize("difficulty", [-3, 7, "lokup", True])
+def test_bad_difficulty_is_a_user_error(difficulty: int | str) -> None:
     with pytest.raises(UserError, match="difficulty"):
         generate_puzzle(0, difficulty)
 

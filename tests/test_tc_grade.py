@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import random
 import time
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sleuth.system.datafiles import data_path
 from sleuth.tasks.temporal_clue import grade
 from sleuth.tasks.temporal_clue.dataset import answer_sheet, load_puzzles, parse_choices
 from sleuth.tasks.temporal_clue.grade import answer_key, answer_matches, extract_answers
 
 SOLUTION = {"A": "Mrs. White", "B": "Lead Pipe", "C": "Drawing Room", "D": "11:45 PM", "E": "Sgt. Gray"}
-VAL = Path(__file__).parents[1].parent / "shared/data/temporal_clue_val.json"
+VAL = data_path("temporal_clue_val")
 
 
 def test_plain_answer_sheet_scores_one() -> None:
@@ -144,8 +144,6 @@ def test_100kb_adversarial_input_completes(unit: str) -> None:
 
 
 def test_published_puzzles_score_one_against_their_own_answer_sheet() -> None:
-    if not VAL.is_file():
-        pytest.skip(f"published data not found at {VAL}")
     puzzles = load_puzzles(VAL)
     assert len(puzzles) == 64
     rng = random.Random(1)
@@ -196,10 +194,11 @@ def test_answer_sheet_key_votes_on_answers_not_formatting() -> None:
 
 def test_temporal_clue_majority_vote_uses_the_answer_sheet() -> None:
     from sleuth.config import TaskConfig
-    from sleuth.evaluate import answer_key_fn, majority_reward
+    from sleuth.eval.evaluate import answer_key_fn
+    from sleuth.eval.stats import majority_reward
     from sleuth.tasks.temporal_clue.task import TemporalClueTask
 
-    task = TemporalClueTask(TaskConfig(difficulty=1, eval_size=1))
+    task = TemporalClueTask(TaskConfig(temporal_clue={"difficulty": 1}, eval_size=1))
     problem = task.eval_problems()[0]
     right = "\n".join(f"{k}. {v}" for k, v in sorted(problem.answer.items()))
     texts = [right, "Here goes:\n" + right.lower(), "A. nobody"]

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from sleuth.config import TaskConfig
-from sleuth.scoring import constant_level
+from sleuth.eval.stats import constant_level
+from sleuth.system.datafiles import data_path
 from sleuth.tasks.temporal_clue.dataset import answer_sheet
 from sleuth.tasks.temporal_clue.task import (
     TemporalClueTask,
@@ -19,12 +20,10 @@ from sleuth.tasks.temporal_clue.task import (
     train_seed,
 )
 
-VAL = Path(__file__).parents[1].parent / "shared/data/temporal_clue_val.json"
+VAL = data_path("temporal_clue_val")
 
 
 def val_path() -> str:
-    if not VAL.is_file():
-        pytest.skip(f"published data not found at {VAL}")
     return str(VAL)
 
 
@@ -40,7 +39,7 @@ def test_file_stream_visits_every_puzzle_each_epoch_in_seeded_order() -> None:
 
 
 def test_file_problems_carry_prompt_choices_and_answer() -> None:
-    cfg = TaskConfig(train_path=val_path(), eval_path=val_path(), eval_size=5, list_choices=True)
+    cfg = TaskConfig(train_path=val_path(), eval_path=val_path(), eval_size=5, temporal_clue={"list_choices": True})
     task = TemporalClueTask(cfg)
     evals = task.eval_problems()
     assert [p.id for p in evals] == [f"{val_path()}#{j}" for j in range(5)]
@@ -51,14 +50,15 @@ def test_file_problems_carry_prompt_choices_and_answer() -> None:
     assert all(p.answer[q] in p.metadata["choices"][q] for q in p.answer)
     assert task.score(p, answer_sheet(p.answer)) == 1.0
     assert task.score(p, "A. Monsieur Brunette") == pytest.approx(1 / 8)
-    plain = TemporalClueTask(cfg.model_copy(update={"list_choices": False, "system_prompt": "Be brief."}))
+    plain = TemporalClueTask(cfg.model_copy(update={"temporal_clue": cfg.temporal_clue.model_copy(update={"list_choices": False}),
+                                                  "system_prompt": "Be brief."}))
     q = plain.eval_problems()[0]
     assert "(choose from:" not in q.messages[-1]["content"]
     assert q.messages[0] == {"role": "system", "content": "Be brief."}
 
 
 def test_generated_stream_is_deterministic_and_disjoint_from_held_out() -> None:
-    cfg = TaskConfig(difficulty=1, eval_size=3, seed=0, list_choices=True)
+    cfg = TaskConfig(temporal_clue={"difficulty": 1, "list_choices": True}, eval_size=3, seed=0)
     task = TemporalClueTask(cfg)
     a = task.train_problem(5)
     assert TemporalClueTask(cfg).train_problem(5) == a
@@ -96,7 +96,7 @@ def test_chance_reward_matches_random_valid_answers() -> None:
 
 
 def test_format_score_counts_listed_choices_right_or_wrong() -> None:
-    task = TemporalClueTask(TaskConfig(difficulty=1, list_choices=True, eval_size=1))
+    task = TemporalClueTask(TaskConfig(temporal_clue={"difficulty": 1, "list_choices": True}, eval_size=1))
     p = task.eval_problems()[0]
     choices, letters = p.metadata["choices"], sorted(p.answer)
     wrong = {q: next(c for c in choices[q] if c != p.answer[q]) for q in letters}

@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sleuth.models import encode_chat, load_causal_lm, load_tokenizer
+from sleuth.system.models import encode_chat, load_causal_lm, load_tokenizer
 
 
 def test_cli_writes_a_loadable_model_with_chatml(tmp_path: Path) -> None:

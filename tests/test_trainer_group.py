@@ -12,13 +12,13 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from sleuth.checkpoint import CheckpointManager
 from sleuth.cli.export import export_checkpoint
 from sleuth.cluster.trainer_group import TrainerGroup, TrainerRankDied
 from sleuth.config import Config, load_config
+from sleuth.run.checkpoint import CheckpointManager
 from sleuth.testing.tiny_model import write_tiny_model
-from sleuth.train.fsdp import is_sharded_checkpoint
 from sleuth.train.policy import Policy
+from sleuth.train.sharded import is_sharded_checkpoint
 from sleuth.train.step import Trainer
 from test_step import random_groups
 
@@ -121,7 +121,7 @@ def test_rank0_broadcasts_full_weights_to_a_rollout_worker(local_ray, tmp_path: 
     from sleuth.records import SamplingParams
     from sleuth.rollout.base import GenerationRequest
     from sleuth.rollout.factory import make_engine
-    from sleuth.sync import InProcessTransport, WeightSync
+    from sleuth.rollout.sync import InProcessTransport, WeightSync
 
     tiny = write_tiny_model(tmp_path / "tiny", hidden=32)
     cfg = load_config(None, [f"model.path={tiny}", "model.dtype=float32", "model.lora.enabled=false",

@@ -3,97 +3,24 @@
     cfg = load_config("cfg.yaml", ["trainer.lr=1e-5", "rollout.engine=hf"])
 
 Every field has its default and its documentation right here, next to it. An unknown or
-mistyped key raises ConfigError naming the key and the nearest valid one. Names that pick from a
-registry (task, rollout engine, advantage, loss, aggregation) are checked here too, with the nearest
-valid names in the error; user code named as "module:function" is imported and checked (callable,
-right number of arguments) here, so a typo fails before any model loads.
+mistyped key raises ConfigError naming the key and the nearest valid one; fixed sets of names
+(rollout engine, aggregation) are checked here too. Names that pick from a stage's registry (task,
+advantage, loss) and user code named as "module:function" are checked at start-up by
+sleuth.loop.checks (config imports no stage), before any model loads.
 """
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from sleuth.curriculum import parse_schedule
 from sleuth.errors import ConfigError
-
-
-def _checked(key: str, check: Any, value: str) -> str:
-    """Run a registry check (it raises ConfigError) and put the config key in front of its message.
-
-    ConfigError is not a ValueError, so pydantic lets it through unchanged: constructing a
-    section directly (TaskConfig(name=...)) raises the same one-line error as load_config.
-    """
-    try:
-        check(value)
-    except ConfigError as e:
-        raise ConfigError(f"config key '{key}': {e}") from None
-    return value
-
-
-def _check_task(name: str) -> None:
-    from sleuth.plugins import is_spec, load_function, unknown_name
-    from sleuth.tasks.registry import TASKS
-
-    if is_spec(name.strip()):
-        load_function(name.strip(), 1, "user task", "problems(cfg: TaskConfig) -> iterable of dicts or a Task")
-    elif name.strip() not in TASKS:
-        raise ConfigError(unknown_name("task", name, TASKS))
-
-
-def _check_verifier(spec: str) -> None:
-    from sleuth.plugins import load_function
-
-    load_function(spec, 2, "verifier", "verify(answer, completion_text) -> float")
-
-
-def _check_advantage(name: str) -> None:
-    from sleuth.train.advantages import ESTIMATORS
-
-    ESTIMATORS.resolve(name)
-
-
-def _check_loss(name: str) -> None:
-    from sleuth.train.losses import LOSSES
-
-    LOSSES.resolve(name)
-
-
-_check_algorithm = {"advantage": _check_advantage, "loss": _check_loss}
-
-
-class Section(BaseModel):
-    """Base for every config section: unknown keys are errors, assignments are validated, numbers
-    are finite (no .inf / .nan) and a boolean is never taken for a number (iterations=true is not 1)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
-                              allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        field = cls.model_fields.get(info.field_name or "")
-        items = value if isinstance(value, list | tuple) else [value]
-        if field is not None and any(isinstance(v, bool) for v in items) and _is_numeric(field.annotation):
-            raise ValueError("expected a number, not a boolean")
-        return value
-
-
-def _is_numeric(annotation: Any) -> bool:
-    """Whether a field holds numbers: int, float, an optional one, or a tuple of them."""
-    if annotation in (int, float):
-        return True
-    if get_origin(annotation) is Annotated:
-        return _is_numeric(get_args(annotation)[0])
-    args = [a for a in get_args(annotation) if a is not type(None)]
-    return bool(args) and get_origin(annotation) is not Literal and all(_is_numeric(a) for a in args)
-
-
-Beta = Annotated[float, Field(ge=0, lt=1)]
+from sleuth.plugins import nearest
+from sleuth.section import Beta, Section
+from sleuth.task_config import MOVED_KEYS, TaskConfig
 
 
 class LoraConfig(Section):
@@ -133,80 +60,17 @@ class ModelConfig(Section):
     or nf4 (4-bit NormalFloat, QLoRA). Needs LoRA; the adapter keeps lora.dtype. Weight sync and
     export send dequantized merged weights."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
-
-
-class TaskConfig(Section):
-    name: str = "temporal_clue"
-    """Registered task name: temporal_clue, math, reasoning_gym, or a user task "module:function"."""
-    difficulty: int | str = 1
-    """temporal_clue: puzzle difficulty 1..6 for puzzles generated on the fly, or a curriculum
-    "1 -> 2 at 0.5 -> 3 at 0.6": start at 1, move on once an iteration's mean rollout reward reaches
-    the threshold (held-out problems stay at the first level)."""
-
-    @field_validator("difficulty")
-    @classmethod
-    def _check_difficulty(cls, value: int | str) -> int | str:
-        parse_schedule(value)  # raises ConfigError naming what is malformed
-        return value
-    list_choices: bool = True
-    """temporal_clue: list the valid choices under each question, which makes a small model's start
-    learnable (it otherwise copies the answer placeholders)."""
-    stop_after_sheet: bool = False
-    """temporal_clue: end each completion where a line would start the question after the sheet's
-    last (`\nI.` after question H), in training and evaluation alike. A small model otherwise goes
-    on writing answers to questions that do not exist until rollout.max_tokens; those lines earn
-    nothing, cost tokens and take the completion's advantage (Task.stop_strings)."""
-    train_path: str | None = None
-    """A data file of training problems (temporal_clue: JSON/JSONL in the published shape; math: JSONL
-    with problem/answer). None: temporal_clue generates puzzles by seed."""
-    eval_path: str | None = None
-    """A data file of held-out problems. None: a fixed generated set (temporal_clue) or train_path."""
-    eval_size: int = Field(16, ge=1)
-    """How many held-out problems to evaluate on (the first N, fixed across the run)."""
-    seed: int = Field(0, ge=0)
-    """Seed of the training stream: generated puzzle i uses a seed derived from this and i; problems
-    from a file are visited in epoch-wise permutations seeded by it."""
-    dataset: str | None = None
-    """reasoning_gym: the dataset name, e.g. knights_knaves."""
-    dataset_args: dict[str, Any] = Field(default_factory=dict)
-    """reasoning_gym: keyword arguments of the dataset's config, e.g. {n_people: 3} for knights_knaves."""
-    verifier_timeout_s: float = Field(5.0, gt=0)
-    """A verifier call that takes longer scores 0 and is counted."""
-    verifier: str | None = None
-    """User tasks: the verifier "module:function" (or "path/file.py:function"), called as
-    function(answer, completion_text) -> float. None: the task module's own `verify` function."""
-    verifier_isolation: Literal["process", "inline"] = "process"
-    """process: run verifiers in a worker process that is killed and restarted when a call
-    exceeds verifier_timeout_s (enforces the limit even on C-level hangs); inline: run them in the
-    calling process, limited by a SIGALRM timer (main thread only; cannot stop C code). Inline, a
-    verifier's sys.exit is caught and scored 0 and its KeyboardInterrupt stops the run as Ctrl-C does
-    (checkpoint first), but nothing protects the run from os._exit or a crash of the interpreter:
-    use process isolation for verifiers you do not trust."""
-    verifier_workers: int = Field(1, ge=1)
-    """Worker processes for verifiers in process isolation (more for slow verifiers like math)."""
-    system_prompt: str | None = None
-    """A system message put before every problem's prompt (None: the prompt is the only message)."""
-    rollout: str | None = None
-    """Episode tasks: the episode function "module:function" (or "path/file.py:function"),
-    `async def rollout(client, problem) -> float | {"reward": r, "metrics": {...}}`. None: a user
-    task module's own `rollout`, or the task's built-in one (math_python)."""
-    episode_timeout_s: float = Field(300.0, gt=0)
-    """An episode that runs longer scores 0 and is counted (rollout/episode_timeouts)."""
-    max_turns: int = Field(8, ge=1)
-    """Most model calls per episode; a call past it is refused with HTTP 400."""
-    episode_max_tokens: int | None = Field(None, ge=1)
-    """Most tokens the model may sample per episode (None: max_turns x rollout.max_tokens)."""
-
-    @field_validator("name", "verifier")
-    @classmethod
-    def _loadable(cls, v: str | None, info: ValidationInfo) -> str | None:
-        check = _check_task if info.field_name == "name" else _check_verifier
-        return v if v is None else _checked(f"task.{info.field_name}", check, v)
+    init: str | None = None
+    """A run directory (`sleuth sft` or `sleuth train`) whose latest checkpoint's weights this run
+    starts from, on the base model.path: with LoRA its adapter is loaded as the starting adapter
+    (same lora settings needed; the KL reference stays the base without adapter), otherwise its full
+    weights. A checkpoint's `policy` folder works too. None: start from model.path alone."""
 
 
 class RolloutConfig(Section):
-    engine: Literal["auto", "vllm", "hf"] = "auto"
-    """Rollout engine: vllm, hf (our transformers engine), or auto (vllm when installed)."""
+    engine: str = "auto"
+    """Rollout engine: vllm, hf (our transformers engine), auto (vllm when installed), or a name code
+    that imports sleuth registered with `@ENGINES.register` (sleuth.rollout.factory); checked at start-up."""
     samples_per_task: int = Field(8, ge=1)
     """Completions sampled per problem (the group size)."""
     temperature: float = Field(1.0, ge=0)
@@ -254,8 +118,14 @@ class RolloutConfig(Section):
     native_lora: bool = False
     """vLLM: serve the LoRA adapter with vLLM's own LoRA support (CPU and GPU) instead of syncing
     merged full weights. The hf engine always applies the adapter itself; with LoRA on an engine that
-    serves adapters only the adapter moves each iteration (sleuth.sync). Off on CPU: there vLLM's
+    serves adapters only the adapter moves each iteration (sleuth.rollout.sync). Off on CPU: there vLLM's
     LoRA layers generate ~11x slower than merged weights (docs/benchmarks.md, "sync")."""
+    sync_check_tolerance: Annotated[float, Field(ge=0)] | Literal["auto"] | None = "auto"
+    """Proof that new weights arrived (rollout/sync_check.py): after every weight sync the engine
+    decodes a fixed probe prompt greedily and its logprobs of those tokens must match the trainer's
+    (as of the synced weights) within this mean absolute difference, else the run stops naming the
+    sync. auto: 0.05 for a float32 model, 0.25 for bfloat16 / float16 (whose rounding alone moves
+    logprobs by a few hundredths). None or 0: no check."""
 
 
 class AlgorithmConfig(Section):
@@ -316,11 +186,6 @@ class AlgorithmConfig(Section):
     of questions answered with one of their listed choices) added to the training reward; 0: off.
     Evaluation never sees it. Logged as rollout/format_reward; the task must have a format score."""
 
-    @field_validator("advantage", "loss")
-    @classmethod
-    def _known(cls, v: str, info: ValidationInfo) -> str:
-        return _checked(f"algorithm.{info.field_name}", _check_algorithm[info.field_name], v)
-
 
 class TrainerConfig(Section):
     lr: float = Field(1e-5, gt=0)
@@ -373,6 +238,13 @@ class LoopConfig(Section):
     """0: synchronous (generate with the latest weights, then train). k >= 1: generation of the next
     batch overlaps training (k batches ahead, one-step off-policy at k=1); the update is corrected to
     the behaviour policy by the truncated IS weight, and groups more than k versions old are dropped."""
+    streaming: bool = False
+    """Fully asynchronous training (loop/stream.py; needs max_staleness >= 1): generation runs
+    continuously, finished groups go into a buffer, the trainer steps as soon as it holds
+    tasks_per_iteration groups with signal, and max_staleness bounds, group by group, how many
+    optimizer steps behind the trainer a group's oldest token may be (older ones are dropped and
+    counted). Weight syncs land in flight where the engine allows (the transformers engine swaps
+    weights between decoding steps). False: batch-level overlap as max_staleness says."""
     deterministic: bool = False
     """Deterministic torch algorithms, seeded sampling and MKL's reproducible code path
     (MKL_CBWR=COMPATIBLE, slower CPU matmuls), so a resumed run matches exactly."""
@@ -386,6 +258,10 @@ class EvalConfig(Section):
     """Max new tokens at evaluation; None: rollout.max_tokens."""
     price_per_million_tokens: float = Field(0.0, ge=0)
     """For the estimated cost per problem in `sleuth eval`."""
+    ablate_clues: bool = False
+    """`sleuth train`: after the last held-out evaluation, evaluate the same problems again with their
+    clues removed and print the paired difference (a policy that reads the clues drops; the task
+    must have clues: temporal_clue). `sleuth eval --ablate-clues` does the same for any model."""
 
 
 class LoggingConfig(Section):
@@ -449,6 +325,36 @@ class ClusterConfig(Section):
         return self.trainer_workers > 1 or self.rollout_workers > 1 or self.address is not None
 
 
+class SftConfig(Section):
+    """`sleuth sft`: supervised warm start on freshly generated Temporal Clue puzzles whose target
+    is the solver's deduction then the answer sheet (task.temporal_clue.reasoning deduce; train/sft.py). The
+    optimizer is trainer's (AdamW, betas, weight decay, grad_clip, row_tokens) at sft.lr."""
+
+    steps: int = Field(200, ge=1)
+    """Optimizer steps at most (time_budget_min may stop it earlier)."""
+    time_budget_min: float | None = Field(None, gt=0)
+    """Wall-clock budget of the whole run in minutes (loading and checkpoints included): no step
+    starts that would end past it. None: run all steps."""
+    batch_tokens: int = Field(4096, ge=16)
+    """Prompt and target tokens per step: puzzles are added until a batch reaches this (at least one)."""
+    lr: float = Field(3e-4, gt=0)
+    """Peak learning rate (trainer.schedule and warmup_steps apply, over sft.steps); the default is
+    the embedded default's RL rate for its LoRA adapter."""
+    difficulty: int | str = 1
+    """Difficulty or rung (lookup, elim1, elim2, 1..6) of the generated puzzles."""
+    seed: int = Field(0, ge=0)
+    """Seed of the puzzle stream: puzzle i has generator seed 2 * derive_seed("temporal_clue-sft", seed, i)
+    + 2**31 (even, at least 2**31): never a generated held-out puzzle (odd) nor an RL training puzzle
+    (even, below 2**31)."""
+    checkpoint_every: int = Field(20, ge=0)
+    """Save a checkpoint every this many steps (0: only at the end; the end always saves)."""
+    warm_start: bool = False
+    """`sleuth train` first runs this SFT phase into RUN_DIR/sft (its own checkpoints; --resume
+    continues it), then RL starts from its weights (as model.init would). Its minutes count against
+    loop.time_budget_min; sft.time_budget_min ends the phase itself (minutes from the command's
+    start). Needs model.init unset."""
+
+
 class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
@@ -459,6 +365,7 @@ class Config(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    sft: SftConfig = Field(default_factory=SftConfig)
 
 
 # ---------------------------------------------------------------- loading
@@ -479,11 +386,11 @@ def valid_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
 def _nearest(key: str) -> str:
     keys = valid_keys()
     leaf = key.rsplit(".", 1)[-1]
-    match = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
+    match = nearest(key, keys, n=1)
     if not match:
         match = [k for k in keys if k.rsplit(".", 1)[-1] == leaf][:1]
     if not match:
-        match = difflib.get_close_matches(key, keys, n=1, cutoff=0.0)
+        match = nearest(key, keys, n=1, cutoff=0.0)
     return match[0] if match else ""
 
 
@@ -529,6 +436,8 @@ def _raise_from(err: ValidationError) -> None:
     first = err.errors()[0]
     key = ".".join(str(p) for p in first["loc"])
     if first["type"] == "extra_forbidden":
+        if key in MOVED_KEYS:
+            raise ConfigError(f"config key '{key}' has moved to '{MOVED_KEYS[key]}'") from None
         near = _nearest(key)
         hint = f" (did you mean '{near}'?)" if near else ""
         raise ConfigError(f"unknown config key '{key}'{hint}") from None
@@ -551,8 +460,13 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         raise  # unreachable
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load a YAML file (or the defaults when path is None) and apply `a.b=value` overrides."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                sections: tuple[str, ...] | None = None) -> Config:
+    """Load a YAML file (or the defaults when path is None) and apply `a.b=value` overrides.
+
+    With `sections`, only those sections are read from the file (the others keep their defaults and
+    are never validated: `sleuth serve` reads no task, so a run's task module is never imported),
+    and an override outside them is a ConfigError."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -577,10 +491,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         data = loaded
+    if sections is not None:
+        data = {k: v for k, v in data.items() if k in sections}
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override '{item}' is not of the form section.key=value")
+        if sections is not None and key.strip().split(".")[0] not in sections:
+            raise ConfigError(f"override '{item}': only {', '.join(sections)} settings apply here")
         _set_dotted(data, key.strip(), _parse_value(value))
     return config_from_dict(data)
 

@@ -3,7 +3,7 @@
     fn = load_function("my_algos:advantage", n_args=1, what="advantage")
 
 Used for user tasks and verifiers (sleuth.tasks.user) and for user advantages and losses
-(sleuth.train.advantages / losses). Everything is checked when the config loads: the module
+(sleuth.rewards.advantages / losses). Everything is checked when the config loads: the module
 imports, the attribute exists, is callable, and accepts the documented positional arguments.
 """
 
@@ -80,16 +80,20 @@ def load_object(spec: str, what: str = "user task") -> Any:
         raise ConfigError(f"{what} module '{module_name}' has no '{attr}'") from None
 
 
-class Registry(dict[str, Callable[..., Any]]):
-    """Named functions of one kind (advantage, loss) with one documented signature.
+class Registry(dict[str, Any]):
+    """Named functions of one kind (task, rollout engine, advantage, loss) with one documented
+    signature: the one registry type.
 
-    `get(name)` resolves a registered name or a user "module:function"; `register(name)` is the
-    decorator code that imports sleuth uses to add its own.
+    `resolve(name)` gives a registered function or, where the kind allows, a user "module:function";
+    `register(name)` is the decorator code that imports sleuth uses to add its own; `lazy(name,
+    "module:function")` registers by import string, imported only when chosen (so sleuth needs
+    installed, and pays for, only what a run uses). An unknown name is a ConfigError naming the
+    nearest registered ones.
     """
 
-    def __init__(self, kind: str, n_args: int, signature: str) -> None:
+    def __init__(self, kind: str, n_args: int, signature: str, user_specs: bool = True) -> None:
         super().__init__()
-        self.kind, self.n_args, self.signature = kind, n_args, signature
+        self.kind, self.n_args, self.signature, self.user_specs = kind, n_args, signature, user_specs
 
     def register(self, name: str) -> Callable[[Any], Any]:
         def decorate(fn: Any) -> Any:
@@ -99,13 +103,26 @@ class Registry(dict[str, Callable[..., Any]]):
 
         return decorate
 
+    def lazy(self, name: str, target: str) -> None:
+        """Register `name` as the function at "module:function", imported on first resolve."""
+        self[name] = target
+
+    def check(self, name: str) -> None:
+        """ConfigError unless `name` resolves (a user spec is imported and its arity checked)."""
+        if is_spec(name) and self.user_specs:
+            load_function(name, self.n_args, self.kind, self.signature)
+        elif name not in self:
+            raise ConfigError(unknown_name(self.kind, name, self, spec_ok=self.user_specs))
+
     def resolve(self, name: str) -> Any:
         """The function `name` stands for; ConfigError naming the nearest names when unknown."""
-        if is_spec(name):
+        if is_spec(name) and self.user_specs:
             return load_function(name, self.n_args, self.kind, self.signature)
         fn = super().get(name)
         if fn is None:
-            raise ConfigError(unknown_name(self.kind, name, self))
+            raise ConfigError(unknown_name(self.kind, name, self, spec_ok=self.user_specs))
+        if isinstance(fn, str):  # lazy: import now, once
+            fn = self[name] = load_function(fn, self.n_args, f"{self.kind} '{name}'", self.signature)
         return fn
 
 
@@ -130,10 +147,21 @@ def load_function(spec: str, n_args: int, what: str, signature: str) -> Any:
     return fn
 
 
+def nearest(name: str, valid: Iterable[str], n: int = 2, cutoff: float = 0.5) -> list[str]:
+    """The valid names closest to `name` (at most n, similarity at least cutoff)."""
+    return difflib.get_close_matches(name, sorted(valid), n=n, cutoff=cutoff)
+
+
+def did_you_mean(name: str, valid: Iterable[str], n: int = 2, cutoff: float = 0.5) -> str:
+    """' (did you mean 'a' or 'b'?)' for the nearest valid names, '' when none is near: the one
+    "did you mean" of sleuth (config keys, registry names, dataset names)."""
+    near = nearest(name, valid, n, cutoff)
+    return f" (did you mean {' or '.join(repr(x) for x in near)}?)" if near else ""
+
+
 def unknown_name(kind: str, name: str, valid: Iterable[str], spec_ok: bool = True) -> str:
     """One line naming an unknown registry name, its nearest valid names and the choices."""
     valid = sorted(valid)
-    near = difflib.get_close_matches(name, valid, n=2, cutoff=0.5)
-    hint = f" (did you mean {' or '.join(repr(n) for n in near)}?)" if near else ""
+    hint = did_you_mean(name, valid)
     extra = ", or module:function" if spec_ok else ""
     return f"unknown {kind} '{name}'{hint}; choose from {', '.join(valid)}{extra}"

@@ -21,6 +21,11 @@ FinishReason = Literal["stop", "length", "abort"]
 """Why a sample ended: a stop token/string, the max-token limit, or aborted (degenerate / timed out)."""
 
 
+MAX_ABS_REWARD = 1e6
+"""A reward outside [-1e6, 1e6] is an error (scored 0): group statistics square rewards, and a
+value like 1e308 would overflow the advantages."""
+
+
 @dataclass(frozen=True)
 class Problem:
     """One task instance: what the model sees and what its verifier needs."""
@@ -57,6 +62,9 @@ class Sample:
     text: str
     time_s: float = 0.0
     """Wall time from the request's start until this sample finished."""
+    token_versions: list[int] | None = None
+    """Policy version of the weights that sampled each token, from an engine that takes weight
+    updates in flight (loop.streaming); None: one version for the whole sample."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,9 @@ class Completion:
     """Per-answer credit (algorithm.credit=answer): the advantage of each completion token (same
     length as completion_ids), each answer's tokens taking that answer's own; None: every token
     takes the group's advantage for the completion (Group.advantages)."""
+    token_versions: list[int] | None = None
+    """Sample.token_versions: the policy version behind each completion token when weights changed
+    while it was sampled (loop.streaming); None: the group's version for every token."""
 
 
 @dataclass
@@ -130,6 +141,9 @@ class Group:
     episode_index: list[int] | None = None
     """Episode tasks: the episode each completion (sequence) belongs to; it gets that episode's
     advantage. An episode may have several sequences, or none (no call: it counts in the rewards)."""
+    version: int | None = None
+    """loop.streaming: the policy version of the engine's weights when the group's generation began
+    (its completions' token_versions say which tokens came later); None: the batch's version."""
 
     @property
     def rewards(self) -> list[float]:

@@ -17,18 +17,22 @@ from types import FrameType
 
 from sleuth import __version__
 from sleuth.errors import UserError
-from sleuth.fsio import describe_os_error
+from sleuth.system.fsio import describe_os_error
+from sleuth.system.logs import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
     # Imported here so `sleuth --help` stays fast and each command pays only for its own imports.
-    from sleuth.cli import eval, export, puzzles, report, serve, train
+    from sleuth.cli import eval, export, puzzles, report, serve, sft, train
 
     parser = argparse.ArgumentParser(prog="sleuth", description="RL on verifiable tasks for open LLMs.")
     parser.add_argument("--version", action="version", version=f"sleuth {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (puzzles, report, train, eval, export, serve):
+    for module in (puzzles, report, sft, train, eval, export, serve):
         module.register(sub)
+    for command in sub.choices.values():
+        command.add_argument("--verbose", action="store_true",
+                             help="show the libraries' own logs (vLLM, transformers) too; also SLEUTH_LOG=debug")
     return parser
 
 
@@ -63,7 +67,7 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None and sys.argv[1:2] == ["train"]:  # the command line, not a call from Python
-        from sleuth.allocator import use_allocator
+        from sleuth.system.allocator import use_allocator
 
         try:
             use_allocator(sys.argv[1:])  # returns only when it leaves the allocator as it is
@@ -74,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _terminated = False
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_logging(True if getattr(args, "verbose", False) else None)
     previous = None
     with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
         previous = signal.signal(signal.SIGTERM, _terminate)

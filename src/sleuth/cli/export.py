@@ -7,8 +7,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from sleuth import fsio
 from sleuth.errors import UserError
+from sleuth.system import fsio
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,8 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def export_checkpoint(run_dir: Path, which: str, out: Path, cfg: Any = None, adapter_only: bool = False) -> Path:
     """Merge checkpoint `which` of run_dir into a new HF folder at `out` (written atomically), or
     with adapter_only write its LoRA adapter (adapter_config.json + adapter_model.safetensors)."""
-    from sleuth.checkpoint import CheckpointManager
     from sleuth.cli.train import run_config
+    from sleuth.run.checkpoint import CheckpointManager
     from sleuth.train.policy import Policy
 
     cfg = cfg if cfg is not None else run_config(run_dir)

@@ -26,7 +26,9 @@ def register(sub: Any) -> None:
     gen = actions.add_parser("generate", help="write N puzzles as JSONL (deterministic per seed)")
     gen.add_argument("--n", type=int, default=8, help="number of puzzles (default 8)")
     gen.add_argument("--seed", type=int, default=0, help="batch seed (default 0)")
-    gen.add_argument("--difficulty", type=int, default=1, help=f"1..{MAX_DIFFICULTY}: players drawn from 1..D")
+    gen.add_argument("--difficulty", default="1", metavar="RUNG",
+                     help=f"1..{MAX_DIFFICULTY} (players drawn from 1..D), or a rung below 1: lookup (every answer "
+                          "stated by a clue), elim1 / elim2 (one / two rounds of elimination); default 1")
     gen.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     gen.add_argument("--out", default="puzzles.jsonl", help="output JSONL file (default puzzles.jsonl)")
     gen.add_argument("--list-choices", action="store_true",
@@ -48,16 +50,20 @@ def register(sub: Any) -> None:
 def _generate(args: argparse.Namespace) -> int:
     if args.n < 1:
         raise UserError(f"--n must be at least 1, got {args.n}")
-    if not 1 <= args.difficulty <= MAX_DIFFICULTY:
-        raise UserError(f"--difficulty must be between 1 and {MAX_DIFFICULTY}, got {args.difficulty}")
+    from sleuth.tasks.curriculum import level_name
+    from sleuth.tasks.temporal_clue.generate import check_difficulty, generate_file
+
+    try:
+        level = check_difficulty(args.difficulty)
+    except UserError as e:
+        raise UserError(f"--{e}") from None
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers must be at least 1, got {args.workers}")
-    from sleuth.tasks.temporal_clue.generate import generate_file
 
     workers = args.workers or os.cpu_count() or 1
-    path = generate_file(args.n, args.seed, args.difficulty, workers, args.out,
+    path = generate_file(args.n, args.seed, level, workers, args.out,
                          list_choices=args.list_choices, progress=not args.quiet)
-    print(f"wrote {args.n} puzzles (difficulty {args.difficulty}, seed {args.seed}) to {path}")
+    print(f"wrote {args.n} puzzles (difficulty {level_name(level)}, seed {args.seed}) to {path}")
     return 0
 
 

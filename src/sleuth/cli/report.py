@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from sleuth.errors import UserError
-    from sleuth.report import write_report
+    from sleuth.eval.report import write_report
 
     if args.max_samples < 0:
         raise UserError(f"--max-samples must be >= 0, got {args.max_samples}")

@@ -30,7 +30,16 @@ from typing import Any, Protocol
 import torch
 
 from sleuth.records import LoraAdapter
-from sleuth.sync import Bucket, Send, SyncMode, WeightSource, pack_buckets, read_weights, unpack, views
+from sleuth.rollout.sync import (
+    Bucket,
+    Send,
+    SyncMode,
+    WeightSource,
+    pack_buckets,
+    read_weights,
+    unpack,
+    views,
+)
 
 Backend = str  # "gloo" (CPU tensors) or "nccl" (CUDA tensors)
 

@@ -28,7 +28,7 @@ from typing import Any
 from sleuth.cluster.runtime import Assignment, GiB, Node, place, worker_specs
 from sleuth.config import Config
 from sleuth.errors import UserError
-from sleuth.hardware import resolve_dtype
+from sleuth.system.hardware import resolve_dtype
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -256,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from sleuth.config import load_config
-    from sleuth.models import resolve_model_path
     from sleuth.rollout.factory import vllm_available
+    from sleuth.system.models import resolve_model_path
 
     p = argparse.ArgumentParser(prog="python -m sleuth.cluster.plan", description=main.__doc__)
     p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value")

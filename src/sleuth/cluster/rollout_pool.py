@@ -33,7 +33,7 @@ from sleuth.cluster.runtime import Assignment, ClusterError, WorkerSpec
 from sleuth.config import ClusterConfig, Config, RolloutConfig
 from sleuth.records import LoraAdapter
 from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
-from sleuth.sync import Bucket, RayTransport, unpack
+from sleuth.rollout.sync import Bucket, RayTransport, unpack
 
 T = TypeVar("T")
 
@@ -60,6 +60,9 @@ class RolloutWorker:
                  gpus: int = 0) -> None:
         import torch
 
+        from sleuth.system.logs import configure_logging
+
+        configure_logging()  # as the driver was told (SLEUTH_LOG reaches the actor's environment)
         torch.set_num_threads(threads)
         self._args = (RolloutConfig(**rollout_cfg), model_path, dtype, seed)
         self._tensor_parallel_size = max(1, gpus)
@@ -75,15 +78,24 @@ class RolloutWorker:
 
         return {"pid": os.getpid(), "ip": ray.util.get_node_ip_address(), "version": self.version,
                 "gpus": ray.get_gpu_ids(), "context_len": getattr(self.engine, "context_len", 0),
-                "native_lora": bool(self.engine is not None and self.engine.native_lora)}
+                "native_lora": bool(self.engine is not None and self.engine.native_lora),
+                "in_flight": bool(self.engine is not None and self.engine.supports_in_flight_updates)}
 
-    async def start(self) -> dict[str, Any]:
+    async def start(self, settings: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.engine is None:
             from sleuth.rollout.factory import make_engine
 
             self.engine = await asyncio.to_thread(make_engine, *self._args,
                                                   tensor_parallel_size=self._tensor_parallel_size)
+        if settings:
+            self.configure(settings)
         return self.info()
+
+    def configure(self, settings: dict[str, Any]) -> None:
+        """The pool's engine settings (loop.streaming): in_flight_updates, policy_version."""
+        if self.engine is not None:
+            self.engine.in_flight_updates = bool(settings["in_flight"]) and self.engine.supports_in_flight_updates
+            self.engine.policy_version = int(settings["policy_version"])
 
     def _check(self, version: int) -> RolloutEngine:
         if self.engine is None or self.version != version:
@@ -94,6 +106,12 @@ class RolloutWorker:
         engine = self._check(version)
         async for result in engine.stream(requests):
             yield result
+
+    async def probe(self, request: GenerationRequest) -> GenerationResult:
+        """One request on this worker's engine, whatever its weights (the weight-sync check)."""
+        if self.engine is None:
+            raise StaleWeights("worker engine not started")
+        return await self.engine.generate(request)
 
     async def load_weights(self, bucket_refs: list[Any], version: int) -> int:
         """Fetch the buckets and load them into the engine; returns the bytes read."""
@@ -166,6 +184,9 @@ class RolloutPool(RolloutEngine):
         ]
         self._load = [0] * len(self.workers)
         self._locks = [threading.Lock() for _ in self.workers]
+        self._syncing = threading.Lock()
+        """Held for a whole sync: a group refused meanwhile (loop.streaming generates while syncs run)
+        waits for the sync to end instead of sending the worker the weights it is loading again."""
         self._version = 0
         self._latest: tuple[str, Any] | None = None
         """("full", bucket refs), ("lora", adapter ref) or ("collective", a function giving one of those)."""
@@ -178,6 +199,9 @@ class RolloutPool(RolloutEngine):
                             "starting the rollout workers' engines (rollout.timeout_s)")
         self.context_len = int(started[0]["context_len"])
         self._native_lora = bool(started[0]["native_lora"])
+        self._in_flight_ok = all(info["in_flight"] for info in started)
+        self._settings = {"in_flight": False, "policy_version": 0}
+        """What every worker's engine is told (configure), a restarted worker's too."""
 
     @classmethod
     def from_config(cls, cfg: Config, placement: Sequence[Assignment], model_path: str, dtype: str) -> RolloutPool:
@@ -247,10 +271,10 @@ class RolloutPool(RolloutEngine):
                         del left[_position(left, result.request, {})]
                         queue.put_nowait(result)
                 except (ray.exceptions.RayActorError, StaleWeights) as e:
-                    await asyncio.to_thread(self._recover, i, e)
+                    await asyncio.to_thread(self._recover, i, e, True)
                 except ray.exceptions.RayTaskError as e:
                     if isinstance(e.cause, StaleWeights):
-                        await asyncio.to_thread(self._recover, i, e.cause)
+                        await asyncio.to_thread(self._recover, i, e.cause, True)
                         continue
                     raise e.cause from None
                 except TimeoutError:
@@ -261,10 +285,14 @@ class RolloutPool(RolloutEngine):
 
     # ------------------------------------------------------------------ recovery
 
-    def _recover(self, i: int, error: BaseException) -> None:
-        """Wait for Ray to restart worker i, start its engine and give it the latest weights."""
+    def _recover(self, i: int, error: BaseException, after_sync: bool = False) -> None:
+        """Wait for Ray to restart worker i, start its engine and give it the latest weights.
+        after_sync: first wait for a sync under way (the refusal may only mean it is loading)."""
         import ray
 
+        if after_sync:
+            with self._syncing:
+                pass
         with self._locks[i]:
             deadline = time.monotonic() + self.timeout_s
             while True:
@@ -283,7 +311,7 @@ class RolloutPool(RolloutEngine):
                 self._counts["worker_restarts"] += 1
                 self._pids[i] = info["pid"]
             if info["version"] != self._version or self._latest is None:
-                ray.get(self.workers[i].start.remote(), timeout=self.timeout_s)
+                ray.get(self.workers[i].start.remote(self._settings), timeout=self.timeout_s)
                 if self._latest is not None:
                     ray.get(self._send(i, self._latest, self._version), timeout=self.sync_timeout_s)
 
@@ -293,15 +321,50 @@ class RolloutPool(RolloutEngine):
     def native_lora(self) -> bool:
         return self._native_lora
 
+    # loop.streaming: the workers' engines take weight updates in flight and label each token with the
+    # policy version the driver last set (after the push that brought it), as an engine in process does.
+
+    @property
+    def supports_in_flight_updates(self) -> bool:  # type: ignore[override]
+        return self._in_flight_ok
+
+    @property
+    def in_flight_updates(self) -> bool:  # type: ignore[override]
+        return bool(self._settings["in_flight"])
+
+    @in_flight_updates.setter
+    def in_flight_updates(self, on: bool) -> None:
+        self._configure(in_flight=on and self._in_flight_ok)
+
+    @property
+    def policy_version(self) -> int:  # type: ignore[override]
+        return int(self._settings["policy_version"])
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self._configure(policy_version=version)
+
+    def _configure(self, **changes: Any) -> None:
+        import ray
+
+        self._settings = self._settings | changes
+        with contextlib.suppress(ray.exceptions.RayError):  # a dead worker gets them when restarted
+            ray.get([w.configure.remote(self._settings) for w in self.workers], timeout=self.timeout_s)
+
     def sync_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Full weights, through the object store (the RolloutEngine interface; the loop goes
-        through sleuth.sync with the same RayTransport)."""
+        through sleuth.rollout.sync with the same RayTransport)."""
         RayTransport().send_full(self, named_tensors)
 
     def sync_lora(self, adapter: LoraAdapter | None) -> None:
         if adapter is None:
             raise ValueError("RolloutPool.sync_lora needs an adapter")
         RayTransport().send_adapter(self, adapter)
+
+    def probe_replicas(self, request: GenerationRequest) -> list[GenerationResult]:
+        """The request on every worker, in worker order (rollout/sync_check.py)."""
+        return self._get([w.probe.remote(request) for w in self.workers], self.timeout_s,
+                         "the weight-sync check's probe (rollout.timeout_s)")
 
     def load_buckets(self, refs: list[Any]) -> None:
         """Every worker loads these weight buckets (object refs); kept for workers that restart."""
@@ -342,6 +405,10 @@ class RolloutPool(RolloutEngine):
         """Send payload to every worker and wait, at most cluster.sync_timeout_s in all. With
         `broadcast`, the workers receive it from the collective group instead; if the broadcast
         fails they get the payload through the object store (returns False)."""
+        with self._syncing:
+            return self._sync_now(payload, broadcast)
+
+    def _sync_now(self, payload: tuple[str, Any], broadcast: Callable[[], int] | None) -> bool:
         import ray
 
         from sleuth.cluster.collective import CollectiveError

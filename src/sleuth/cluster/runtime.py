@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sleuth.config import ClusterConfig
@@ -71,10 +73,27 @@ class Cluster:
     address: str
     started_here: bool
     nodes: list[Node] = field(default_factory=list)
+    watch: Any = None
+    """The RayletWatch of this node's raylet (watch_raylet), closed by shutdown."""
+
+    def watch_raylet(self, run_dir: Path) -> None:
+        """Print one line with a resume hint should this node's raylet die and take the driver with
+        it (cluster/raylet_watch.py); nothing when the raylet's process is not found."""
+        import ray
+
+        from sleuth.cluster.raylet_watch import RayletWatch, raylet_pid
+
+        node = getattr(ray._private.worker.global_worker, "node", None)
+        pid = raylet_pid(node.raylet_socket_name) if node is not None else None
+        if pid is not None:
+            self.watch = RayletWatch(pid, run_dir)
 
     def shutdown(self) -> None:
         import ray
 
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
         if ray.is_initialized():
             ray.shutdown()
 
@@ -92,16 +111,41 @@ def start_cluster(cfg: ClusterConfig) -> tuple[Cluster, list[Assignment]]:
         raise
 
 
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+"""HTTP/2's client preface and an empty SETTINGS frame: a gRPC server (Ray's GCS, the Ray Client
+server) answers with a SETTINGS frame of its own."""
+
+
 def probe(address: str, timeout_s: float) -> None:
-    """Fail fast on a HOST:PORT nothing answers on: ray.init would retry for minutes."""
+    """Fail fast, within timeout_s, on a HOST:PORT that nothing answers on or that does not speak
+    gRPC (HTTP/2) as Ray does: ray.init would retry for minutes there, deaf to SIGTERM. The wait is
+    in short slices, so signals are handled meanwhile."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    limit = f"within {timeout_s:g} s (cluster.connect_timeout_s)"
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            pass
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
     except OSError as e:
         reason = "timed out" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
-        raise ClusterError(f"cannot reach the Ray cluster at cluster.address={address} within "
-                           f"{timeout_s:g} s (cluster.connect_timeout_s): {reason}") from None
+        raise ClusterError(f"cannot reach the Ray cluster at cluster.address={address} {limit}: {reason}") from None
+    with sock:
+        reply = b""
+        try:
+            sock.sendall(HTTP2_PREFACE)
+            while len(reply) < 9 and time.monotonic() < deadline:
+                sock.settimeout(min(0.2, max(deadline - time.monotonic(), 0.001)))
+                try:
+                    chunk = sock.recv(9 - len(reply))
+                except TimeoutError:
+                    continue
+                if not chunk:
+                    break
+                reply += chunk
+        except OSError:
+            pass
+    if len(reply) < 9 or reply[3] != 4:  # frame type 4: SETTINGS
+        raise ClusterError(f"cluster.address={address} accepts connections but did not answer as a Ray cluster "
+                           f"(a gRPC server) {limit}; is it the Ray head's GCS port (6379 by default)?")
 
 
 def connect(cfg: ClusterConfig) -> Cluster:

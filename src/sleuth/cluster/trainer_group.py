@@ -94,14 +94,15 @@ class TrainerRank:
         self.trainer.load_state_dict(state)
 
     def save(self, directory: str) -> None:
-        from sleuth.train.fsdp import save_checkpoint
+        from sleuth.train.sharded import save_checkpoint
 
         save_checkpoint(directory, self.policy, self.trainer)
 
     def load(self, directory: str) -> None:
         """A sharded checkpoint (weights + optimizer), or a single process's saved weights (the
         optimizer state of those comes through load_state_dict)."""
-        from sleuth.train.fsdp import is_sharded_checkpoint, load_checkpoint, load_full_weights
+        from sleuth.train.fsdp import load_full_weights
+        from sleuth.train.sharded import is_sharded_checkpoint, load_checkpoint
 
         if is_sharded_checkpoint(directory):
             load_checkpoint(directory, self.policy, self.trainer)
@@ -228,7 +229,7 @@ class TrainerGroup:
     def tokenizer(self) -> Any:
         """The model's tokenizer, loaded in the driver (it never holds the weights)."""
         if self._tokenizer is None:
-            from sleuth.models import load_tokenizer
+            from sleuth.system.models import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.model_path)
         return self._tokenizer
@@ -347,7 +348,7 @@ class TrainerGroup:
         raise TrainerRankDied(f"{what}; the run stopped: {self._resume_hint()}")
 
     def _resume_hint(self) -> str:
-        from sleuth.checkpoint import CheckpointManager
+        from sleuth.run.checkpoint import CheckpointManager
 
         latest = None if self.checkpoint_dir is None else CheckpointManager(self.checkpoint_dir).latest()
         if latest is None:

@@ -8,8 +8,17 @@
 Routes: `/v1/chat/completions` and `/v1/models` (stateless: nothing recorded, what `sleuth serve`
 offers), and the same under `/e/{episode_id}/v1/...`: the episode's calls are recorded token-exact
 (episodes.py); an unknown or closed episode is a 404. Every error is an OpenAI error body with
-its status (400 bad request or context too long, 404 unknown episode or route, 500 engine
-failure), never a traceback.
+its status (400 bad request or context too long, 404 unknown episode or route, 405 wrong method,
+413 body over MAX_BODY_BYTES, 421 a Host that is not allowed, 500 engine failure), never a
+traceback and never plain text.
+
+Hostile input is bounded before it costs anything: the body is read up to MAX_BODY_BYTES, a prompt
+whose text cannot fit the context (more characters than context x the longest token) is refused
+before it is tokenized, and a large prompt is rendered and tokenized on a worker thread, off the
+event loop that serves every other request (in training: every episode). The Host header must name
+a loopback address or the bound host (or one allowed with `sleuth serve --allow-host`): a web page
+cannot reach the server through DNS rebinding, and a browser request from another site's page
+(its Origin header names that site) is refused.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
@@ -24,10 +34,10 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from sleuth.errors import UserError
-from sleuth.gateway.episodes import (
+from sleuth.gateway.history import (
     ChatTemplate,
     Episode,
     EpisodeStore,
@@ -42,7 +52,9 @@ from sleuth.gateway.protocol import (
     choice_body,
     completion_body,
     cut_at_stop,
+    parse_body,
     parse_chat_request,
+    stream_events,
     token_logprobs,
 )
 from sleuth.gateway.tools import parse_tool_calls
@@ -50,6 +62,11 @@ from sleuth.records import Sample, SamplingParams
 from sleuth.rollout.base import GenerationRequest, RolloutEngine
 
 MODEL_NAME = "policy"
+MAX_BODY_BYTES = 32 * 2**20
+"""The largest request body the gateway reads (413 past it)."""
+OFF_LOOP_CHARS = 32_768
+"""Requests with more message text than this are rendered and tokenized on a worker thread."""
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class Gateway:
@@ -63,9 +80,23 @@ class Gateway:
         self.defaults = defaults or SamplingParams()
         self.model_name = model_name
         self.store = EpisodeStore()
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        self.max_token_chars = max(map(len, vocab), default=0) or 64
+        """The longest token's text: a prompt of n characters has at least n / this many tokens."""
 
     async def chat(self, request: ChatRequest, episode: Episode | None) -> dict[str, Any]:
-        parent, prompt = self._prompt(request, episode)
+        chars = sum(len(m["content"]) for m in request.messages)
+        if chars > self.engine.context_len * self.max_token_chars:
+            raise GatewayError(400, f"the messages hold {chars} characters, more than the model's context of "
+                                    f"{self.engine.context_len} tokens can take", code="context_length_exceeded",
+                               param="messages")
+        try:
+            if chars > OFF_LOOP_CHARS:
+                parent, prompt = await asyncio.to_thread(self._prompt, request, episode)
+            else:
+                parent, prompt = self._prompt(request, episode)
+        except UserError as e:
+            raise GatewayError(400, str(e), param="messages") from None
         sampling = self._sampling(request, episode)
         if len(prompt) >= self.engine.context_len:
             raise GatewayError(400, f"the prompt has {len(prompt)} tokens; the model's context is "
@@ -101,7 +132,7 @@ class Gateway:
             with episode.lock:
                 if episode.max_turns is not None and episode.calls >= episode.max_turns:
                     raise GatewayError(400, f"episode {episode.id} reached its limit of {episode.max_turns} "
-                                            "calls (task.max_turns)", code="max_turns_exceeded")
+                                            "calls (task.episode.max_turns)", code="max_turns_exceeded")
                 parent = episode.parent_for(request.keys, _tools_key(request))
         if parent is not None:
             inserted = extension_ids(self.template, parent, request.messages, request.tools)
@@ -110,7 +141,8 @@ class Gateway:
             with episode.lock:  # type: ignore[union-attr]
                 episode.counts["template_mismatch"] += 1  # type: ignore[union-attr]
         text = self.template.render(request.messages, request.tools, generation_prompt=True)
-        return None, self.template.encode(text)
+        spans = self.template.content_spans(request.messages, request.tools, True, text)
+        return None, self.template.encode(text, spans)
 
     def _sampling(self, request: ChatRequest, episode: Episode | None) -> SamplingParams:
         base = episode.sampling if episode is not None else self.defaults
@@ -159,14 +191,82 @@ def _tools_key(request: ChatRequest) -> str:
     return json.dumps(request.tools, sort_keys=True) if request.tools else ""
 
 
-def build_app(gateway: Gateway) -> Any:
+class SafeJSONResponse(JSONResponse):
+    """JSON that always encodes: text a model or client got past the checks with a lone surrogate
+    is written \\u-escaped instead of failing the response."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The body, or GatewayError(413) as soon as it is known to pass `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise GatewayError(413, f"the request body has {int(declared)} bytes; the gateway takes at most {limit}",
+                           code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise GatewayError(413, f"the request body is over {limit} bytes, the most the gateway takes",
+                               code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def host_allowed(host_header: str | None, allowed: set[str]) -> bool:
+    """Whether a Host header names an allowed host (any port); a request without one is allowed."""
+    if not host_header:
+        return True
+    host = host_header.strip().lower()
+    host = host[1:host.index("]")] if host.startswith("[") and "]" in host else host.rpartition(":")[0] or host
+    return host in allowed
+
+
+class CheckHost:
+    """ASGI middleware: a request whose Host (421) or Origin (403: a browser's cross-site request)
+    names a host outside `allowed` gets an OpenAI error body ("*" in allowed: any host)."""
+
+    def __init__(self, app: Any, allowed: set[str]) -> None:
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and "*" not in self.allowed:
+            headers = dict(scope["headers"])
+            host = headers.get(b"host", b"").decode("latin-1")
+            origin = headers.get(b"origin", b"").decode("latin-1")
+            origin_host = origin.partition("://")[2] if "://" in origin else (origin or None)
+            bad = None
+            if not host_allowed(host, self.allowed):
+                bad = GatewayError(421, _not_served("Host", host), code="host_not_allowed")
+            elif origin_host is not None and not host_allowed(origin_host or "-", self.allowed):
+                bad = GatewayError(403, _not_served("Origin", origin), code="origin_not_allowed")
+            if bad is not None:
+                await SafeJSONResponse(bad.body(), status_code=bad.status)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _not_served(header: str, value: str) -> str:
+    shown = value.encode("ascii", "backslashreplace").decode()[:100]
+    return f"{header} '{shown}' is not served here (only loopback names and the hosts given with --allow-host)"
+
+
+def build_app(gateway: Gateway, allowed_hosts: tuple[str, ...] = ()) -> Any:
     """The ASGI application of a Gateway (Starlette: the routes take raw requests and return JSON
-    bodies we build, so FastAPI's validation layer would only add time to every call)."""
+    bodies we build, so FastAPI's validation layer would only add time to every call). Requests must
+    name a loopback host or one of `allowed_hosts` in their Host header ("*": any)."""
     from starlette.applications import Starlette
     from starlette.routing import Route
 
+    allowed = {h.lower() for h in (*LOOPBACK_HOSTS, *allowed_hosts)}
+
     def error(e: GatewayError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return SafeJSONResponse(e.body(), status_code=e.status)
 
     def episode_of(episode_id: str) -> Episode:
         episode = gateway.store.get(episode_id)
@@ -175,17 +275,21 @@ def build_app(gateway: Gateway) -> Any:
                                code="episode_not_found")
         return episode
 
-    async def complete(request: Request) -> JSONResponse:
+    async def complete(request: Request) -> Response:
         episode_id = request.path_params.get("episode_id")
         try:
             episode = episode_of(episode_id) if episode_id is not None else None
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise GatewayError(400, "the request body is not valid JSON") from None
-            return JSONResponse(await gateway.chat(parse_chat_request(body), episode))
+            body = parse_body(await read_body(request))
+            chat = parse_chat_request(body)
+            reply = await gateway.chat(chat, episode)
+            if chat.stream:  # generated whole, sent as events (protocol.stream_events)
+                return StreamingResponse(iter(stream_events(reply, chat.stream_usage)),
+                                         media_type="text/event-stream")
+            return SafeJSONResponse(reply)
         except GatewayError as e:
             return error(e)
+        except RecursionError:  # parsed, but too deep for a later step (a chat template rendering tools)
+            return error(GatewayError(400, "the request is nested too deeply"))
         except Exception as e:  # an engine failure: one line, never a traceback
             return error(GatewayError(500, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
 
@@ -203,11 +307,17 @@ def build_app(gateway: Gateway) -> Any:
         assert isinstance(exc, HTTPException)
         return error(GatewayError(exc.status_code, str(exc.detail)))
 
+    async def server_error(_request: Request, exc: Exception) -> JSONResponse:
+        return error(GatewayError(500, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"))
+
+    from starlette.middleware import Middleware
+
     routes = [Route("/v1/chat/completions", complete, methods=["POST"]),
               Route("/e/{episode_id}/v1/chat/completions", complete, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/e/{episode_id}/v1/models", models, methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    return Starlette(routes=routes, middleware=[Middleware(CheckHost, allowed=allowed)],
+                     exception_handlers={HTTPException: http_error, Exception: server_error})
 
 
 class GatewayServer:
@@ -217,7 +327,7 @@ class GatewayServer:
         import uvicorn
 
         self.gateway = gateway
-        config = uvicorn.Config(build_app(gateway), host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=1,
+        config = uvicorn.Config(build_app(gateway, (host,)), host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=1,
                                 access_log=False)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="sleuth-gateway", daemon=True)
@@ -277,9 +387,10 @@ class GatewayServer:
         self.stop()
 
 
-def run_forever(gateway: Gateway, host: str, port: int) -> None:
-    """Serve in the foreground until interrupted (`sleuth serve`)."""
+def run_forever(gateway: Gateway, sock: socket.socket, allowed_hosts: tuple[str, ...] = ()) -> None:
+    """Serve on an already bound socket in the foreground until interrupted (`sleuth serve`)."""
     import uvicorn
 
-    config = uvicorn.Config(build_app(gateway), host=host, port=port, log_level="info", lifespan="off")
-    asyncio.run(uvicorn.Server(config).serve())
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(build_app(gateway, (host, *allowed_hosts)), host=host, port=port, log_level="info", lifespan="off")
+    asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))

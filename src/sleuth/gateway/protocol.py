@@ -3,21 +3,25 @@
 Supported request fields: model (any name: the gateway serves one policy), messages, tools,
 tool_choice, temperature, top_p, max_tokens / max_completion_tokens, n, stop, seed, logprobs,
 top_logprobs (0 only: the rollout engines return the sampled token's logprob, not alternatives),
-and vLLM's `return_token_ids` (the prompt and sampled token ids in the response). Logprobs are the
-raw model's (temperature 1; see sleuth.rollout.base). Other fields are ignored, except `stream`,
-which is refused. Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+vLLM's `return_token_ids` (the prompt and sampled token ids in the response), and `stream` with
+`stream_options.include_usage`: the completion is generated whole, then sent as server-sent events
+(`stream_events`: a role chunk, the content, the tool calls, the finish reason, usage, `[DONE]`),
+for clients that only stream (verifiers' harness programs). Logprobs are the raw model's
+(temperature 1; see sleuth.rollout.base). Other fields are ignored. Errors use OpenAI's shape:
+{"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from sleuth.errors import UserError
-from sleuth.gateway.episodes import check_messages, message_key
+from sleuth.gateway.history import check_messages, message_key
 from sleuth.gateway.tools import ToolCall, check_tool_choice, check_tools
 
 MAX_N = 64
@@ -31,7 +35,8 @@ class GatewayError(Exception):
         self.status, self.code, self.param = status, code, param
 
     def body(self) -> dict[str, Any]:
-        kind = {400: "invalid_request_error", 404: "not_found_error"}.get(self.status, "server_error")
+        kind = "not_found_error" if self.status == 404 else ("invalid_request_error" if self.status < 500
+                                                             else "server_error")
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
@@ -48,6 +53,8 @@ class ChatRequest:
     seed: int | None
     logprobs: bool
     return_token_ids: bool
+    stream: bool = False
+    stream_usage: bool = False
 
     @functools.cached_property
     def keys(self) -> list[str]:
@@ -75,12 +82,34 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def parse_body(raw: bytes) -> Any:
+    """The request body's JSON, or GatewayError(400): not JSON, nested too deeply, or holding text
+    that is not valid Unicode (a lone surrogate such as "\\ud800", which no tokenizer or UTF-8
+    response can carry)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise GatewayError(400, "the request body is not valid JSON") from None
+    except RecursionError:
+        raise GatewayError(400, "the request body is nested too deeply") from None
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise GatewayError(400, "the request body holds a lone surrogate (e.g. \\ud800): not valid Unicode "
+                                "text") from None
+    except RecursionError:
+        raise GatewayError(400, "the request body is nested too deeply") from None
+    return body
+
+
 def parse_chat_request(body: Any) -> ChatRequest:
     """The request, or GatewayError(400) naming the first bad field."""
     if not isinstance(body, dict):
         raise GatewayError(400, "the request body must be a JSON object")
-    if body.get("stream"):
-        raise GatewayError(400, "'stream' is not supported by sleuth's gateway", param="stream")
+    stream = body.get("stream") or False
+    options = body.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(options, dict):
+        raise GatewayError(400, "'stream' must be true or false and 'stream_options' an object", param="stream")
     try:
         messages = check_messages(body.get("messages"))
         tools = check_tools(body.get("tools"))
@@ -103,6 +132,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         max_tokens=max_tokens, n=_number(body, "n", 1, MAX_N, integer=True) or 1, stop=_stop(body.get("stop")),
         seed=_number(body, "seed", -(2**63), 2**63 - 1, integer=True), logprobs=logprobs,
         return_token_ids=bool(body.get("return_token_ids")),
+        stream=stream, stream_usage=bool(options.get("include_usage")),
     )
 
 
@@ -144,3 +174,27 @@ def completion_body(model: str, choices: list[dict[str, Any]], prompt_ids: list[
     if return_token_ids:
         out["prompt_token_ids"] = prompt_ids
     return out
+
+
+def stream_events(body: dict[str, Any], include_usage: bool) -> list[bytes]:
+    """A whole chat.completion `body` as the server-sent events of a streamed one
+    (chat.completion.chunk objects, then `data: [DONE]`)."""
+    head = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
+
+    def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return b"data: " + json.dumps({**head, "choices": choices, **extra}).encode() + b"\n\n"
+
+    out = []
+    for choice in body["choices"]:
+        i, message = choice["index"], choice["message"]
+        out.append(event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))
+        if message.get("content"):
+            out.append(event([{"index": i, "delta": {"content": message["content"]}, "finish_reason": None,
+                               "logprobs": choice["logprobs"]}]))
+        if message.get("tool_calls"):
+            calls = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            out.append(event([{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None}]))
+        out.append(event([{"index": i, "delta": {}, "finish_reason": choice["finish_reason"]}]))
+    if include_usage:
+        out.append(event([], usage=body["usage"]))
+    return [*out, b"data: [DONE]\n\n"]

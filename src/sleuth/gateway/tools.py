@@ -42,14 +42,16 @@ def parse_tool_calls(text: str, id_prefix: str) -> tuple[str, list[ToolCall], in
     for m in TOOL_CALL.finditer(text):
         try:
             obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            obj = None
-        name = obj.get("name") if isinstance(obj, dict) else None
+            name = obj.get("name") if isinstance(obj, dict) else None
+            if isinstance(name, str) and name:
+                args = obj.get("arguments", obj.get("parameters", {}))
+                arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+                (name + arguments).encode("utf-8")  # a lone surrogate ("\ud800" in the JSON) is no text
+        except (ValueError, RecursionError):  # JSONDecodeError, UnicodeEncodeError; nested too deeply
+            name = None
         if not isinstance(name, str) or not name:
             bad += 1
             continue
-        args = obj.get("arguments", obj.get("parameters", {}))
-        arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
         kept.append(text[last:m.start()])
         last = m.end()
         calls.append(ToolCall(f"{id_prefix}-{len(calls)}", name, arguments))
@@ -79,11 +81,13 @@ def check_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> str:
     """'none', 'auto' or 'required' (a named function counts as required)."""
     if choice is None:
         return "auto" if tools else "none"
+    if choice == "required" and not tools:
+        raise UserError("tool_choice 'required' needs 'tools'")
     if choice in ("none", "auto", "required"):
         return choice
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if not any(t["function"]["name"] == name for t in tools or []):
-            raise UserError(f"tool_choice names function '{name}', which is not in 'tools'")
+            raise UserError(f"tool_choice names function {str(name)[:100]!r}, which is not in 'tools'")
         return "required"
     raise UserError("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")

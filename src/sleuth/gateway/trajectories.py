@@ -6,7 +6,7 @@ and every inserted template/tool/user token), with `loss_mask` 1 on the tokens t
 and the engine's logprobs on them (0.0 elsewhere). A call that extended nothing started a chain of
 its own. All sequences of an episode carry the episode's reward; advantages are computed over the
 group's episodes (one reward each) and every sequence gets its episode's (Group.episode_rewards /
-Group.episode_index, read by sleuth.train.advantages).
+Group.episode_index, read by sleuth.rewards.advantages).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from sleuth.gateway.episodes import Episode
+from sleuth.gateway.history import Episode
 from sleuth.records import Completion, Group, Problem
 
 
@@ -25,7 +25,7 @@ class EpisodeOutcome:
     episode: Episode
     reward: float
     status: str = "ok"
-    """ok, error (the episode function raised) or timeout (ran past task.episode_timeout_s)."""
+    """ok, error (the episode function raised) or timeout (ran past task.episode.timeout_s)."""
     error: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
 

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from sleuth.errors import UserError
 from sleuth.records import Completion, Group, LoraAdapter, Problem, Sample, SamplingParams
-from sleuth.seeds import derive_seed
+from sleuth.system.seeds import derive_seed
 
 T = TypeVar("T")
 
@@ -125,6 +125,13 @@ class RolloutEngine(ABC):
     model_path: str = ""
     timeout_s: float = 1800.0
     context_len: int = 0
+    policy_version: int = 0
+    """The policy version (optimizer steps) of the weights it holds, as the last sync's caller set it;
+    an engine that takes weight updates in flight records it per sampled token (Sample.token_versions)."""
+    in_flight_updates: bool = False
+    """Set by loop.streaming where the engine supports it (`supports_in_flight_updates`): a weight sync
+    then lands between decoding steps of the requests in flight instead of waiting for them."""
+    supports_in_flight_updates: bool = False
 
     def __init__(self) -> None:
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
@@ -153,6 +160,11 @@ class RolloutEngine(ABC):
 
         return asyncio.run(run())
 
+    def probe_replicas(self, request: GenerationRequest) -> list[GenerationResult]:
+        """The request's result from every replica serving this engine's weights (one here; each
+        Ray rollout worker for a RolloutPool): the weight-sync check (sync_check.py) asks all."""
+        return self.generate_all([request])
+
     # ------------------------------------------------------------------ weights
 
     @abstractmethod
@@ -170,7 +182,7 @@ class RolloutEngine(ABC):
     def sync_lora(self, adapter: LoraAdapter | None) -> None:
         """Serve the model with this LoRA adapter from now on (None: the base model alone), without
         a checkpoint or a restart. Only engines whose `native_lora` is True implement it; for the
-        others sleuth.sync sends merged full weights instead."""
+        others sleuth.rollout.sync sends merged full weights instead."""
         raise NotImplementedError(f"{type(self).__name__} does not serve LoRA adapters (native_lora is False)")
 
     # ------------------------------------------------------------------ memory
@@ -255,13 +267,13 @@ class InFlightGroup:
 
 
 def finish_sample(group: InFlightGroup, index: int, tokens: list[int], logprobs: list[float], reason: str,
-                  tokenizer: Any, counts: dict[str, int]) -> None:
+                  tokenizer: Any, counts: dict[str, int], token_versions: list[int] | None = None) -> None:
     """Store sample `index` of an engine's in-flight group, count it, and resolve the group's future
     once all n samples are in. Both engines decode text here, so they decode it the same way."""
     group.samples[index] = Sample(
         token_ids=tokens, logprobs=logprobs, finish_reason=reason,  # type: ignore[arg-type]
         text=tokenizer.decode(tokens, skip_special_tokens=True),
-        time_s=time.perf_counter() - group.start,
+        time_s=time.perf_counter() - group.start, token_versions=token_versions,
     )
     counts["samples"] += 1
     counts["tokens"] += len(tokens)
@@ -278,6 +290,7 @@ def to_groups(problems: Sequence[Problem], prompts: Sequence[list[int]],
     return [
         Group(problem=p, prompt_ids=ids, completions=[
             Completion(prompt_ids=ids, completion_ids=list(s.token_ids), logprobs=list(s.logprobs),
-                       finish_reason=s.finish_reason, text=s.text) for s in r.samples])
+                       finish_reason=s.finish_reason, text=s.text, token_versions=s.token_versions)
+            for s in r.samples])
         for p, ids, r in zip(problems, prompts, results, strict=True)
     ]

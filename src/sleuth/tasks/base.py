@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any, ClassVar
 
 from sleuth.records import AnswerPart, Problem
 
@@ -15,6 +17,15 @@ class Task(ABC):
     """
 
     name: str = "task"
+
+    rollout: ClassVar[Callable[..., Awaitable[Any]] | None] = None
+    """An episode task's `async def rollout(self, client, problem)`: the task's own agent code, run
+    against the gateway, is the rollout (sleuth.gateway.runner); None for a single-turn task."""
+
+    def implements(self, hook: str) -> bool:
+        """Whether this task overrides the optional hook `hook` (e.g. "answer_parts"): the one way
+        sleuth asks what a task supports (a hook left at its default declines)."""
+        return getattr(type(self), hook) is not getattr(Task, hook)
 
     @abstractmethod
     def train_problem(self, index: int) -> Problem:
@@ -50,7 +61,7 @@ class Task(ABC):
     def answer_pattern(self, problem: Problem) -> str | None:
         """A regular expression every well-formed answer to `problem` matches, for structured
         output (rollout.structured_output: the engine samples only completions that match it);
-        None when the task has none. `sleuth.structured.regex_literal` / `one_of` build literal parts."""
+        None when the task has none. `sleuth.tasks.patterns.regex_literal` / `one_of` build literal parts."""
         return None
 
     def chance_reward(self, problem: Problem) -> float | None:
@@ -62,3 +73,33 @@ class Task(ABC):
         first listed choice on every line), when the task has such answers: a policy that settles
         on one of them can pass the chance level on a small held-out set without solving anything."""
         return None
+
+    def answer_key(self, problem: Problem, completion: str) -> Hashable | None:
+        """What two completions must share to count as the same answer in a majority vote (maj@k);
+        by default the stripped text, None for an empty completion."""
+        return completion.strip() or None
+
+    def kind_scores(self, problem: Problem, completion: str) -> dict[str, tuple[float, float]] | None:
+        """Per kind of question in `problem` (Temporal Clue: who / weapon / where / when / why /
+        bonus): (the fraction of that kind's questions the completion answers right, the chance level
+        of that kind). None when the task has no kinds. Evaluation only; must not raise."""
+        return None
+
+    def first_choice_share(self, problem: Problem, completion: str) -> float | None:
+        """The fraction of the problem's questions the completion answers with the first listed
+        choice, right or wrong (None: the task lists no choices). A policy that learned an answer
+        position instead of the problem shows far above 1 / choices here. Must not raise."""
+        return None
+
+    @property
+    def held_out_difficulty(self) -> str | None:
+        """The level of the held-out problems where the task generates them at a difficulty
+        (Temporal Clue: a rung name or a difficulty), printed with every held-out result; else None."""
+        return None
+
+    def diagnostic_problems(self, name: str, problems: list[Problem], seed: int = 0) -> list[Problem]:
+        """The held-out problems changed for one of `sleuth eval`'s diagnostics: "ablate_clues" (the
+        clues removed: a policy that reads them must drop) or "permute_options" (the listed choices
+        moved: a policy that reasons must not). Only tasks with clues and listed choices have them
+        (Task.implements("diagnostic_problems"))."""
+        raise NotImplementedError(f"task {self.name} has no diagnostic problems")

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.config import TaskConfig
-from sleuth.datafiles import jsonl_objects, read_text_file
 from sleuth.errors import ConfigError, DataError
 from sleuth.records import Message, Problem
+from sleuth.system.datafiles import jsonl_objects, read_text_file
 from sleuth.tasks.base import Task
 from sleuth.tasks.order import stream_index
 
@@ -129,7 +129,7 @@ def answers_equal(gold: str, given: str, timeout_s: float = 5.0) -> bool:
     from math_verify import parse, verify
 
     # math-verify limits itself with SIGALRM, which only works in the main thread; elsewhere the
-    # caller's limit (sleuth.scoring) is the only one.
+    # caller's limit (sleuth.rewards.verifier) is the only one.
     limit = max(1, int(timeout_s / 3)) if threading.current_thread() is threading.main_thread() else None
     gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=limit)  # type: ignore[arg-type]
     given_parsed = parse(f"\\boxed{{{given}}}", parsing_timeout=limit)  # type: ignore[arg-type]

@@ -1,10 +1,10 @@
 """Math with a Python tool: an episode task on the math task's problems and verifier.
 
-    sleuth train task.name=math_python task.train_path=aime2024.jsonl task.max_turns=4
+    sleuth train task.name=math_python task.train_path=aime2024.jsonl task.episode.max_turns=4
 
 The model may call `python` (OpenAI tool format; the chat template renders the tool and the model
 answers in its tool-call format, see sleuth.gateway.tools) any number of times within
-task.max_turns calls; each call's code runs in a fresh sandbox (sleuth.tasks.sandbox) and its output
+task.episode.max_turns calls; each call's code runs in a fresh sandbox (sleuth.tasks.sandbox) and its output
 (or traceback) comes back as the tool message. The first reply without a tool call is the answer,
 scored like `math` (last \\boxed{} or Answer: line). Code that hits a sandbox limit or does
 something forbidden (timeout, memory, output, network, filesystem, process, killed) ends the
@@ -21,7 +21,7 @@ from typing import Any
 from sleuth.config import TaskConfig
 from sleuth.records import Problem
 from sleuth.tasks.math import MathTask
-from sleuth.tasks.sandbox import REASONS, SandboxLimits, run_python
+from sleuth.tasks.sandbox import REASONS, SandboxLimits, check_isolation, run_python
 
 PYTHON_TOOL = {
     "type": "function",
@@ -42,13 +42,13 @@ class MathPythonTask(MathTask):
 
     def __init__(self, cfg: TaskConfig, limits: SandboxLimits | None = None) -> None:
         super().__init__(cfg)
-        self.limits = limits or SandboxLimits()
+        self.limits = limits or SandboxLimits(isolation=cfg.sandbox.isolation)
 
     async def rollout(self, client: Any, problem: dict[str, Any]) -> dict[str, Any]:
         """One episode: tool calls until a plain answer, max_turns calls or a sandbox violation."""
         messages = list(problem["messages"])
         counts = {f"sandbox_{r}": 0.0 for r in REASONS}
-        for _ in range(self.cfg.max_turns):
+        for _ in range(self.cfg.episode.max_turns):
             reply = await client.chat.completions.create(model="policy", messages=messages, tools=[PYTHON_TOOL])
             message = reply.choices[0].message
             messages.append(message.model_dump(exclude_none=True))
@@ -75,4 +75,5 @@ def _code_of(function: Any) -> str:
 
 
 def build(cfg: TaskConfig) -> MathPythonTask:
+    check_isolation(cfg.sandbox.isolation)  # refuses (strict) or warns once, before any episode
     return MathPythonTask(cfg)

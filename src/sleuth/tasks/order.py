@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from functools import lru_cache
 
-from sleuth.seeds import derive_seed
+from sleuth.system.seeds import derive_seed
 
 
 @lru_cache(maxsize=8)

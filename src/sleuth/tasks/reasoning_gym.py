@@ -1,9 +1,9 @@
-"""Every reasoning-gym dataset as a sleuth task: `task.name=reasoning_gym task.dataset=knights_knaves`.
+"""Every reasoning-gym dataset as a sleuth task: `task.name=reasoning_gym task.reasoning_gym.dataset=knights_knaves`.
 
 reasoning-gym (an optional extra: `pip install sleuth[reasoning-gym]`) generates problems
 procedurally and ships a scorer per dataset. This adapter uses both as they are:
 
-- problems: `reasoning_gym.create_dataset(name, seed=..., size=CHUNK, **task.dataset_args)`.
+- problems: `reasoning_gym.create_dataset(name, seed=..., size=CHUNK, **task.reasoning_gym.dataset_args)`.
   Training problem i is item i % CHUNK of chunk i // CHUNK, whose seed is derived from
   (dataset, task.seed, chunk), so the stream is endless and a pure function of i. The held-out
   set is the first task.eval_size items of a dataset with its own fixed seed (independent of
@@ -17,15 +17,15 @@ procedurally and ships a scorer per dataset. This adapter uses both as they are:
 
 from __future__ import annotations
 
-import difflib
 import re
 from functools import lru_cache
 from typing import Any
 
 from sleuth.config import TaskConfig
 from sleuth.errors import ConfigError, UserError
+from sleuth.plugins import did_you_mean
 from sleuth.records import Message, Problem
-from sleuth.seeds import derive_seed
+from sleuth.system.seeds import derive_seed
 from sleuth.tasks.base import Task
 
 CHUNK = 1000
@@ -69,13 +69,12 @@ class ReasoningGymTask(Task):
     def __init__(self, cfg: TaskConfig) -> None:
         _import_reasoning_gym()
         names = dataset_names()
-        dataset = (cfg.dataset or "").strip()
+        dataset = (cfg.reasoning_gym.dataset or "").strip()
         if not dataset:
-            raise ConfigError("task 'reasoning_gym' needs task.dataset, e.g. task.dataset=knights_knaves")
+            raise ConfigError("task 'reasoning_gym' needs task.reasoning_gym.dataset, e.g. task.reasoning_gym.dataset=knights_knaves")
         if dataset not in names:
-            near = difflib.get_close_matches(dataset, names, n=1, cutoff=0.0)
-            hint = f" (did you mean '{near[0]}'?)" if near else ""
-            raise ConfigError(f"unknown reasoning-gym dataset task.dataset='{dataset}'{hint}")
+            hint = did_you_mean(dataset, names, n=1, cutoff=0.0)
+            raise ConfigError(f"unknown reasoning-gym dataset task.reasoning_gym.dataset='{dataset}'{hint}")
         for key in ("train_path", "eval_path"):
             if getattr(cfg, key):
                 raise ConfigError(f"task.{key} is not used by reasoning_gym (it generates problems); unset it")
@@ -90,13 +89,13 @@ class ReasoningGymTask(Task):
     def _create(self, seed: int, size: int) -> Any:
         try:
             # The module is not kept on self: the task is pickled into verifier worker processes.
-            return _import_reasoning_gym().create_dataset(self.dataset, seed=seed, size=size, **self.cfg.dataset_args)
+            return _import_reasoning_gym().create_dataset(self.dataset, seed=seed, size=size, **self.cfg.reasoning_gym.dataset_args)
         except TypeError as e:
             # An unknown keyword names itself in the message: "... got an unexpected keyword argument 'x'".
-            raise ConfigError(f"task.dataset_args for reasoning-gym dataset '{self.dataset}': {e}") from None
+            raise ConfigError(f"task.reasoning_gym.dataset_args for reasoning-gym dataset '{self.dataset}': {e}") from None
         except (AssertionError, ValueError) as e:
             raise ConfigError(
-                f"task.dataset_args for reasoning-gym dataset '{self.dataset}' are invalid: {e or 'rejected'}"
+                f"task.reasoning_gym.dataset_args for reasoning-gym dataset '{self.dataset}' are invalid: {e or 'rejected'}"
             ) from None
 
     @lru_cache(maxsize=4)  # noqa: B019 - a few chunks per task object, which lives for the whole run

@@ -1,28 +1,29 @@
 """The task registry: a task name in the config -> a Task.
 
 Registered tasks are import strings, imported only when chosen, so `sleuth` pays for (and needs
-installed) only the task it runs. Each factory is `build(cfg: TaskConfig) -> Task`. A name with
-a ":" is a user task, "module:function" (see sleuth.tasks.user).
+installed) only the task it runs. Each factory is `build(cfg: TaskConfig) -> Task`. A name that
+starts with an environment prefix ("verifiers:ENV_ID", "openenv:URL_OR_MODULE") is an environment
+from that library (ENVIRONMENTS); any other name with a ":" is a user task, "module:function"
+(see sleuth.tasks.user).
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib
-
 from sleuth.config import TaskConfig
-from sleuth.curriculum import parse_schedule
-from sleuth.errors import ConfigError
+from sleuth.plugins import Registry
 from sleuth.tasks.base import Task
+from sleuth.tasks.curriculum import parse_level, parse_schedule
+from sleuth.tasks.environments import ENVIRONMENTS, environment_prefix
 
-TASKS: dict[str, str] = {
-    "temporal_clue": "sleuth.tasks.temporal_clue.task:build",
-    "math": "sleuth.tasks.math:build",
-    "math_python": "sleuth.tasks.math_python:build",
-    "reasoning_gym": "sleuth.tasks.reasoning_gym:build",
-}
-"""Registered task name -> "module:factory"."""
-
+TASKS = Registry("task", 1, "build(cfg: TaskConfig) -> Task", user_specs=False)
+"""Registered task name -> its factory (registered lazily, by import string). A name with a ":" is a
+user task instead (sleuth.tasks.user)."""
+TASKS.lazy("temporal_clue", "sleuth.tasks.temporal_clue.task:build")
+TASKS.lazy("math", "sleuth.tasks.math:build")
+TASKS.lazy("math_python", "sleuth.tasks.math_python:build")
+TASKS.lazy("reasoning_gym", "sleuth.tasks.reasoning_gym:build")
+register_task = TASKS.register
+"""`@register_task("name")` on a `build(cfg) -> Task` adds a task name."""
 
 def task_names() -> list[str]:
     return sorted(TASKS)
@@ -31,25 +32,25 @@ def task_names() -> list[str]:
 def build_task(cfg: TaskConfig, level: int | None = None) -> Task:
     """The Task that cfg.name names, built from the rest of cfg.
 
-    A difficulty curriculum (sleuth.curriculum) builds the task at `level`, by default its first.
+    A difficulty curriculum (sleuth.tasks.curriculum) builds the task at `level`, by default its first;
+    the task sees both levels as integers (cfg.temporal_clue.difficulty, and .eval_difficulty for its
+    held-out set). Which task.<kind> sections the task may be given is checked by sleuth.loop.checks.
     """
-    stages = parse_schedule(cfg.difficulty)
-    cfg = cfg.model_copy(update={"difficulty": stages[0].level if level is None else level})
+    tc = cfg.temporal_clue
+    stages = parse_schedule(tc.difficulty)
+    held_out = stages[0].level if tc.eval_difficulty is None else parse_level(tc.eval_difficulty)
+    cfg = cfg.model_copy(update={"temporal_clue": tc.model_copy(update={
+        "difficulty": stages[0].level if level is None else level, "eval_difficulty": held_out})})
     name = cfg.name.strip()
-    if ":" in name:
+    prefix = environment_prefix(name)
+    if prefix is not None:
+        task = ENVIRONMENTS.resolve(prefix)(cfg)
+    elif ":" in name:
         from sleuth.tasks.user import build
 
         return build(cfg)
-    target = TASKS.get(name)
-    if target is None:
-        near = difflib.get_close_matches(name, list(TASKS), n=1, cutoff=0.0)
-        hint = f" (did you mean '{near[0]}'?)" if near else ""
-        raise ConfigError(
-            f"unknown task '{name}'{hint}; registered: {', '.join(task_names())}, or a user task module:function"
-        )
-    module_name, _, factory_name = target.partition(":")
-    module = importlib.import_module(module_name)
-    task = getattr(module, factory_name)(cfg)
+    else:
+        task = TASKS.resolve(name)(cfg)
     if not isinstance(task, Task):
-        raise TypeError(f"task factory {target} returned {type(task).__name__}, not a Task")
+        raise TypeError(f"task factory for {name!r} returned {type(task).__name__}, not a Task")
     return task

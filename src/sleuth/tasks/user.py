@@ -20,7 +20,7 @@ the train problems in the order given, reading more as it needs them. An excepti
 (or a syntax error in the file) is reported in one line with the user's file and line.
 
 The verifier is called as `verify(answer, completion_text) -> float` (True/False count as 1/0).
-It runs under sleuth.scoring's time limit: one that raises, overruns, or returns anything but a
+It runs under sleuth.rewards.verifier's time limit: one that raises, overruns, or returns anything but a
 finite number within [-1e6, 1e6] (a string such as "1.0" included) scores 0 and is counted.
 A module that is not importable from sys.path is also looked up in the current directory, and
 "path/file.py:function" loads a file directly.
@@ -28,9 +28,10 @@ A module that is not importable from sys.path is also looked up in the current d
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from sleuth.config import TaskConfig
@@ -38,7 +39,11 @@ from sleuth.errors import ConfigError, DataError, UserError, user_code_error
 from sleuth.plugins import import_module, load_object
 from sleuth.records import Message, Problem
 from sleuth.tasks.base import Task
+from sleuth.tasks.environments import environment_prefix
 from sleuth.tasks.order import stream_index
+
+RolloutFn = Callable[[Any, dict[str, Any]], Awaitable[Any]]
+"""An episode function: `async def rollout(client, problem) -> float | {"reward": r, "metrics": {...}}`."""
 
 Verifier = Callable[[Any, str], float]
 LAZY_AFTER = 100_000
@@ -162,7 +167,7 @@ class UserTask(Task):
         return problem.metadata.get("answer_pattern")
 
     def score(self, problem: Problem, completion: str) -> float:
-        # The value as returned: sleuth.scoring checks it (a string such as "1.0" is an error,
+        # The value as returned: sleuth.rewards.verifier checks it (a string such as "1.0" is an error,
         # not a reward), so no float() here that would accept it.
         return self.verifier(problem.answer, completion)
 
@@ -195,7 +200,7 @@ def build(cfg: TaskConfig) -> Task:
         raise ConfigError(f"user task '{cfg.name}' must return a Task or an iterable of problem dicts")
     verifier_spec: str | None = cfg.verifier or _default_verifier_spec(cfg.name)
     module = user_module(cfg.name)
-    if cfg.verifier is None and not hasattr(module, "verify") and (cfg.rollout or hasattr(module, "rollout")):
+    if cfg.verifier is None and not hasattr(module, "verify") and (cfg.episode.rollout or hasattr(module, "rollout")):
         verifier_spec = None  # an episode task: its rollout returns the reward
     elif cfg.verifier is None and not hasattr(module, "verify"):
         raise ConfigError(
@@ -203,3 +208,18 @@ def build(cfg: TaskConfig) -> Task:
             "or set task.verifier=module:function"
         )
     return UserTask(cfg, result, verifier_spec)
+
+
+def find_rollout(cfg: TaskConfig, task: Task) -> RolloutFn | None:
+    """The task's episode function, or None for a single-turn task."""
+    if cfg.episode.rollout:
+        fn, where = load_object(cfg.episode.rollout), cfg.episode.rollout
+    elif ":" in cfg.name and environment_prefix(cfg.name) is None and hasattr(user_module(cfg.name), "rollout"):
+        fn, where = user_module(cfg.name).rollout, f"{cfg.name.rpartition(':')[0]}:rollout"
+    elif task.rollout is not None:
+        return task.rollout
+    else:
+        return None
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"episode function '{where}' must be `async def rollout(client, problem)`")
+    return fn  # type: ignore[no-any-return]

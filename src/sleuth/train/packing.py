@@ -299,8 +299,11 @@ def _split_group(paths: list[list[_Node]], budget: int) -> list[tuple[int, list[
 # ------------------------------------------------------------------ rows
 
 
-def pack_groups(groups: list[Group], row_tokens: int, pad_to_multiple: int = 1, pad_id: int = 0) -> PackedBatch:
-    """Pack groups (with advantages set) into rows of at most row_tokens tokens."""
+def pack_groups(groups: list[Group], row_tokens: int, pad_to_multiple: int = 1, pad_id: int = 0,
+                one_per_row: bool = False) -> PackedBatch:
+    """Pack groups (with advantages set) into rows of at most row_tokens tokens. `one_per_row`:
+    each sequence alone in its row (prompt not shared), for models whose layers carry state that
+    no attention mask can scope (linear attention, sleuth.system.attention.linear_attention)."""
     validate_groups(groups)
     if row_tokens < 1:
         raise UserError(f"row_tokens must be positive, got {row_tokens}")
@@ -314,14 +317,16 @@ def pack_groups(groups: list[Group], row_tokens: int, pad_to_multiple: int = 1, 
     for g, group in enumerate(groups):
         seqs = [sequence(group, c) for c in group.completions]
         forest = prefix_forest(seqs)
-        for size, members in _split_group(_paths(forest, len(seqs)), row_tokens):
+        split = [(len(seq), [i]) for i, seq in enumerate(seqs)] if one_per_row else \
+            _split_group(_paths(forest, len(seqs)), row_tokens)
+        for size, members in split:
             parts.append((size, g, _induced(forest, set(members))))
     parts.sort(key=lambda p: (-p[0], p[1]))
     bins: list[list[tuple[int, int, list[_Node]]]] = []
     fill: list[int] = []
     for part in parts:
         for b, used in enumerate(fill):
-            if used + part[0] <= row_tokens:
+            if not one_per_row and used + part[0] <= row_tokens:
                 bins[b].append(part)
                 fill[b] += part[0]
                 break

@@ -2,7 +2,7 @@
 
     policy = Policy.from_config(cfg.model, need_reference=cfg.algorithm.kl_beta > 0)
     logp, entropy = policy.row_logprobs(row)          # packed row -> per completion-token values
-    policy.sync_state()                                # full merged weights, base HF names (sleuth.sync)
+    policy.sync_state()                                # full merged weights, base HF names (sleuth.rollout.sync)
     policy.lora_adapter()                              # or the adapter alone (LoRA)
     policy.save(dir); policy.load_weights(dir); policy.export_merged(dir)
 
@@ -27,13 +27,18 @@ import torch
 
 from sleuth.config import ModelConfig
 from sleuth.errors import UserError
-from sleuth.models import check_lora_targets, layer_linear_names, lora_layer_indices
 from sleuth.records import LoraAdapter
-from sleuth.train.attention import attention_kwargs, backend_for
+from sleuth.system.models import (
+    check_lora_targets,
+    layer_linear_names,
+    linears_with_own_forward,
+    lora_layer_indices,
+)
+from sleuth.train.kernels.lora_inputs import keep_inputs_in_base_dtype
+from sleuth.train.kernels.packed_attention import attention_kwargs, backend_for
+from sleuth.train.kernels.recompute import recompute_cheap_activations
 from sleuth.train.logprobs import token_logprobs
-from sleuth.train.lora_inputs import keep_inputs_in_base_dtype
 from sleuth.train.packing import PackedRow
-from sleuth.train.recompute import recompute_cheap_activations
 
 ADAPTER = "default"
 log = logging.getLogger(__name__)
@@ -95,6 +100,7 @@ class Policy:
             peft_cfg = PeftLoraConfig(
                 r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                 target_modules=targets, task_type="CAUSAL_LM", layers_to_transform=layers,
+                exclude_modules=linears_with_own_forward(model) or None,
             )
             model = get_peft_model(model, peft_cfg, autocast_adapter_dtype=lora.dtype == "float32")
             keep_inputs_in_base_dtype(model)  # no float32 copies of bf16 inputs kept for backward
@@ -117,7 +123,7 @@ class Policy:
     def from_config(cls, model_cfg: ModelConfig, need_reference: bool,
                     device: torch.device | str | None = None) -> Policy:
         """Load model_cfg.path; attention is sleuth_packed on CPU and flex_attention on CUDA."""
-        from sleuth.models import load_tokenizer
+        from sleuth.system.models import load_tokenizer
 
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = load_base_model(model_cfg, dev)
@@ -211,6 +217,17 @@ class Policy:
         targets = torch.tensor(completion_ids, device=self.device)
         return torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
 
+    @torch.no_grad()
+    def greedy_probe(self, prompt_ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+        """The policy's greedy continuation of `prompt_ids` (n tokens) and the log-softmax [n, V]
+        at each of its steps: the trainer's side of the weight-sync check (rollout/sync_check.py)."""
+        ids, rows = list(prompt_ids), []
+        for _ in range(n):
+            logits = self.row_model(torch.tensor([ids], device=self.device))[0, -1].float()
+            rows.append(torch.log_softmax(logits, -1).cpu())
+            ids.append(int(rows[-1].argmax()))
+        return ids[len(prompt_ids):], torch.stack(rows)
+
     # ------------------------------------------------------------------ weights
 
     @torch.no_grad()
@@ -222,6 +239,7 @@ class Policy:
         HF name is the parameter's name with PEFT's `.base_layer` hops removed."""
         lm = self.causal_lm
         yield from self._quantized_tables()
+        yield from self._saved_buffers()
         if not self.is_lora:
             for name, p in lm.named_parameters():
                 yield name, p.detach()
@@ -247,12 +265,26 @@ class Policy:
         targets = tuple(lora.target_modules) if isinstance(lora.target_modules, list) else ()
         return LoraAdapter(tensors, rank=lora.rank, alpha=lora.alpha, target_modules=targets)
 
+    def _saved_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of the persistent buffers a checkpoint holds besides parameters
+        (DeepSeek V3's router score-correction bias, Gemma 4's per-layer scalars): those of the
+        model's own modules, not a quantized layer's codes and scales (sent dequantized)."""
+        # Persistence read off each module (not from state_dict(), whose FSDP2 hooks would turn the
+        # gathered parameters back into shards).
+        for module_name, module in self.causal_lm.named_modules():
+            if not type(module).__module__.startswith("transformers."):
+                continue
+            for name, b in module.named_buffers(recurse=False):
+                if b is not None and name not in module._non_persistent_buffers_set:
+                    full = f"{module_name}.{name}" if module_name else name
+                    yield full.replace(".base_layer", ""), b.detach()
+
     def _quantized_tables(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, dequantized table) of a 4-bit token embedding (quantized_embedding.py), which
         holds buffers rather than a parameter."""
         if self.model_cfg.quantization != "nf4":  # the only mode that makes one (load_base_model)
             return
-        from sleuth.train.quantized_embedding import NF4Embedding
+        from sleuth.train.kernels.quantized_embedding import NF4Embedding
 
         for name, m in self.causal_lm.named_modules():
             if isinstance(m, NF4Embedding):
@@ -303,7 +335,7 @@ class Policy:
         """
         from safetensors.torch import load_file
 
-        from sleuth.train.fsdp import is_sharded_checkpoint, load_checkpoint
+        from sleuth.train.sharded import is_sharded_checkpoint, load_checkpoint
 
         src = Path(in_dir)
         if is_sharded_checkpoint(src):
@@ -332,13 +364,21 @@ class Policy:
                             f"unexpected {unexpected[:3]})")
 
     def export_merged(self, out_dir: str | Path) -> Path:
-        """A plain HF model folder with the merged weights, loadable by transformers and vLLM."""
+        """A plain HF model folder with the merged weights, loadable by transformers and vLLM (in
+        the original's layout when trained out of a multimodal checkpoint, wrapped_export.py)."""
         from safetensors.torch import save_file
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         state = _checkpoint_format(self.causal_lm, {name: t.detach().to("cpu").contiguous()
                                                     for name, t in self.sync_state()})
+        from sleuth.train.wrapped_export import wrapped_source, write_wrapped_export
+
+        source = wrapped_source(self.model_cfg.path)
+        if source is not None:  # trained out of a multimodal checkpoint: exported in its layout
+            write_wrapped_export(out, source, state)
+            self.tokenizer.save_pretrained(out)
+            return out
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         lm = self.causal_lm
         config = copy.deepcopy(lm.config)
@@ -353,26 +393,23 @@ class Policy:
 
 
 def _checkpoint_format(lm: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tensor names and layout of the model's published checkpoints: transformers 5 fuses some
-    weights at load (MoE experts into one stack per layer) and splits them again on save; vLLM and
-    other loaders read the published layout, so the export does the same as save_pretrained."""
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # an older transformers: names were never converted
-        return state
-    return {k: v.contiguous() for k, v in revert_weight_conversion(lm, state).items()}
+    """The export's names and layout: the published checkpoints' (models.checkpoint_layout), as
+    save_pretrained writes them."""
+    from sleuth.system.models import checkpoint_layout
+
+    return checkpoint_layout(lm, state)
 
 
 def load_base_model(model_cfg: ModelConfig, device: torch.device) -> Any:
     """The CausalLM of model_cfg.path before LoRA: quantized at load by bitsandbytes for
     model.quantization, and with nf4 its token embedding in 4 bits too (quantized_embedding.py)."""
-    from sleuth.models import load_causal_lm
+    from sleuth.system.models import load_causal_lm
 
     quant = quantization_config(model_cfg.quantization, model_cfg.dtype)
     extra = {"quantization_config": quant, "device_map": str(device)} if quant is not None else {}
     model = load_causal_lm(model_cfg.path, model_cfg.dtype, attn_implementation=backend_for(device), **extra)
     if model_cfg.quantization == "nf4":  # bitsandbytes leaves the (often tied) embedding in 16 bits
-        from sleuth.train.quantized_embedding import quantize_embeddings
+        from sleuth.train.kernels.quantized_embedding import quantize_embeddings
 
         quantize_embeddings(model, _torch_dtype(model_cfg.dtype))
         keep_4bit_layout(model)
@@ -417,7 +454,7 @@ def quantization_config(name: str, dtype: str) -> Any:
 
 def _torch_dtype(name: str) -> torch.dtype:
     """model.dtype as a torch dtype ("auto" resolved for this machine)."""
-    from sleuth.hardware import resolve_dtype
+    from sleuth.system.hardware import resolve_dtype
 
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[resolve_dtype(name)]
 

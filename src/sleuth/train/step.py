@@ -20,6 +20,7 @@ policy to correct towards, they are off-policy guidance.
 
 from __future__ import annotations
 
+import logging
 import math
 import resource
 import time
@@ -32,10 +33,13 @@ import torch
 from sleuth.config import AlgorithmConfig, TrainerConfig
 from sleuth.errors import UserError
 from sleuth.records import Group
+from sleuth.system.attention import one_sequence_per_row
 from sleuth.train.losses import AGGREGATIONS, aggregation_weights, get_loss, k3_kl, tis_weights
 from sleuth.train.optim import build_optimizer, measure_matmul_flops
 from sleuth.train.packing import PackedBatch, PackedRow, loss_mask, pack_groups, prompt_of
 from sleuth.train.policy import Policy
+
+log = logging.getLogger(__name__)
 
 SELF_CHECK_TOL = {torch.float32: (1e-3, 1e-4), torch.bfloat16: (math.inf, 0.25)}
 """(max, mean) absolute logprob difference allowed between packed and naive forwards, per dtype.
@@ -120,6 +124,14 @@ class Trainer:
         self.peak_flops = peak_flops
         body, head = policy.matmul_parameters()
         self._body_params, self._head_params = body, head
+        why_one = one_sequence_per_row(policy.causal_lm.config)
+        self.one_per_row = bool(why_one)
+        """A linear-attention layer's recurrent and convolution state would run on from one packed
+        sequence into the next, a sparse-attention indexer would rank other sequences' keys, a
+        compressed-attention block would pool across sequences (no mask scopes any of them): such
+        a model trains one sequence per row."""
+        if self.one_per_row:
+            log.info("packing: one sequence per row, prompts not shared (%s)", why_one)
 
     # ------------------------------------------------------------------ state
 
@@ -137,7 +149,7 @@ class Trainer:
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         else:
-            from sleuth.train.fsdp import load_checkpoint
+            from sleuth.train.sharded import load_checkpoint
 
             load_checkpoint(state["optimizer_dir"], self.policy, self)
         self.scheduler.load_state_dict(state["scheduler"])
@@ -166,7 +178,7 @@ class Trainer:
                           "peak_mem_gb": peak_memory_gb(self.policy.device)})
             return empty
         parts = split_mini_batches(groups, self.cfg.mini_batches)
-        batches = [pack_groups(part, self.cfg.row_tokens, pad_to_multiple=self._pad_multiple()) for part in parts]
+        batches = [self.pack(part) for part in parts]
         metrics: dict[str, float] = {}
         if not self.self_checked:
             metrics.update(self.self_check(parts[0], batches[0]))
@@ -210,12 +222,18 @@ class Trainer:
         })
         return metrics
 
+    def pack(self, groups: list[Group]) -> PackedBatch:
+        """The groups packed into rows as this model trains on them (one sequence per row for a
+        model whose layers a packed mask cannot scope, see one_per_row)."""
+        return pack_groups(groups, self.cfg.row_tokens, pad_to_multiple=self._pad_multiple(),
+                           one_per_row=self.one_per_row)
+
     def loss_and_gradients(self, groups: list[Group]) -> float:
         """One pass over the packed groups leaving gradients in .grad (no optimizer step).
 
         The same computation as the first epoch of step(); for tests and debugging.
         """
-        batch = pack_groups(groups, self.cfg.row_tokens, pad_to_multiple=self._pad_multiple())
+        batch = self.pack(groups)
         self.optimizer.zero_grad(set_to_none=True)
         return self._pass(batch, _PassCache(), first=True)["loss"]
 

@@ -17,8 +17,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from sleuth.datafiles import jsonl_objects, read_text_file
 from sleuth.errors import DataError
+from sleuth.system.datafiles import jsonl_objects, read_text_file
 
 ANSWER_TYPES = ("SUSPECT", "WEAPON", "ROOM", "TIME", "MOTIVE")
 """The placeholders of the answer-format section, one per kind of answer."""
@@ -184,3 +184,23 @@ def add_choices(prompt: str, choices: dict[str, list[str]]) -> str:
 def answer_sheet(solution: dict[str, str]) -> str:
     """The solution written in the answer format, one `A. ANSWER` line per question."""
     return "\n".join(f"{letter}. {answer}" for letter, answer in sorted(solution.items()))
+
+
+QUESTION_KINDS = {"Who murdered Mr. Boddy?": "who", "What weapon did the murderer use?": "weapon",
+                  "Where was the murder committed?": "where", "When did the murder occur?": "when",
+                  "Why did the murderer do it?": "why"}
+"""The main questions' text (generated and published alike) -> their kind; every other is "bonus"."""
+KINDS = ("who", "weapon", "where", "when", "why", "bonus")
+
+
+def question_kinds(prompt: str) -> dict[str, str]:
+    """Each question letter's kind, read from the prompt's question lines (after its question header)."""
+    body = prompt.rpartition(_FORMAT_HEADER)[0] or prompt
+    start = body.find("following question")
+    out: dict[str, str] = {}
+    for line in body[max(start, 0):].split("\n"):
+        m = _QUESTION_LINE.match(line)
+        if m and "?" in line:
+            text = line[2:].split(_CHOOSE_FROM)[0].strip()
+            out.setdefault(m.group(1), QUESTION_KINDS.get(text, "bonus"))
+    return out

@@ -13,14 +13,15 @@ import os
 import random
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from sleuth import fsio
-from sleuth.errors import UserError
-from sleuth.seeds import derive_seed
+from sleuth.errors import ConfigError, UserError
+from sleuth.system import fsio
+from sleuth.system.seeds import derive_seed
+from sleuth.tasks.curriculum import LOWEST_LEVEL, level_name, parse_level
 from sleuth.tasks.temporal_clue.clues import (
     At,
     Atom,
@@ -46,7 +47,8 @@ from sleuth.tasks.temporal_clue.game import (
 from sleuth.tasks.temporal_clue.prompt import Question, render_prompt
 from sleuth.tasks.temporal_clue.solver import Selection, select_clues
 
-MIN_DIFFICULTY, MAX_DIFFICULTY = 1, 6
+MIN_DIFFICULTY, MAX_DIFFICULTY = LOWEST_LEVEL, 6
+"""Levels 1..6 and, below them, the ladder's rungs -2..0 (lookup, elim1, elim2; `ladder.py`)."""
 MAX_QUESTIONS = 8
 # Drawn candidate clues per hidden position (on top of the plain facts): more gives the
 # core more indirect clues to choose from, fewer keeps the first, largest model small.
@@ -268,9 +270,12 @@ def puzzle_seed(batch_seed: int, index: int) -> int:
     return derive_seed("temporal-clue", batch_seed, index, bits=64) >> 1
 
 
-def check_difficulty(difficulty: int) -> None:
-    if not MIN_DIFFICULTY <= difficulty <= MAX_DIFFICULTY:
-        raise UserError(f"difficulty must be between {MIN_DIFFICULTY} and {MAX_DIFFICULTY}, got {difficulty}")
+def check_difficulty(difficulty: int | str, what: str = "difficulty") -> int:
+    """The level a difficulty names (1..6, or a rung: lookup, elim1, elim2 or -2..0); UserError otherwise."""
+    try:
+        return parse_level(difficulty, what)
+    except ConfigError as e:
+        raise UserError(str(e)) from None
 
 
 def choose_questions(rng: random.Random, setting: Setting, night: Night) -> list[Question]:
@@ -322,9 +327,14 @@ def whole_night(setting: Setting, night: Night) -> list[Atom]:
     return facts
 
 
-def build_puzzle(seed: int, difficulty: int) -> Puzzle:
+def build_puzzle(seed: int, difficulty: int | str) -> Puzzle:
     """Everything about one puzzle, including the solver's proofs (tests look at those)."""
-    check_difficulty(difficulty)
+    difficulty = check_difficulty(difficulty)
+    if difficulty < 1:
+        from sleuth.tasks.temporal_clue.ladder import build_rung
+
+        setting, night, questions, selection, clues = build_rung(seed, difficulty)
+        return Puzzle(seed, difficulty, setting, night, questions, clues, selection)
     rng = random.Random(f"temporal-clue:{seed}:{difficulty}")
     setting = draw_setting(rng, draw_size(rng, difficulty))
     night = simulate_night(rng, setting)
@@ -339,35 +349,45 @@ def build_puzzle(seed: int, difficulty: int) -> Puzzle:
     return Puzzle(seed, difficulty, setting, night, questions, clues, selection)
 
 
+def shuffled_choices(puzzle: Puzzle) -> list[Question]:
+    """The questions with each one's choices in its own order, shuffled by a stream seeded from the
+    puzzle's seed and level alone (so no answer position beats chance in expectation, and the order
+    is the same in every file and training prompt of this puzzle)."""
+    rng = random.Random(f"temporal-clue-choices:{puzzle.seed}:{puzzle.difficulty}")
+    return [replace(q, choices=tuple(rng.sample(q.choices, len(q.choices)))) for q in puzzle.questions]
+
+
 def puzzle_record(puzzle: Puzzle, list_choices: bool = False) -> dict[str, Any]:
-    """The JSONL record: the published fields plus our metadata."""
-    letters = [chr(ord("A") + i) for i in range(len(puzzle.questions))]
+    """The JSONL record: the published fields plus our metadata. With the choices listed, each
+    question lists them (and "choices" holds them) in a seeded shuffled order (shuffled_choices)."""
+    questions = shuffled_choices(puzzle) if list_choices else puzzle.questions
+    letters = [chr(ord("A") + i) for i in range(len(questions))]
     return {
         "num_clues": len(puzzle.clues),
-        "prompt": render_prompt(puzzle.setting, puzzle.clues, puzzle.questions, list_choices),
-        "solution": {a: q.answer for a, q in zip(letters, puzzle.questions)},
+        "prompt": render_prompt(puzzle.setting, puzzle.clues, questions, list_choices),
+        "solution": {a: q.answer for a, q in zip(letters, questions)},
         "seed": puzzle.seed,
-        "difficulty": puzzle.difficulty,
+        "difficulty": level_name(puzzle.difficulty) if puzzle.difficulty < 1 else puzzle.difficulty,
         "clue_kinds": dict(sorted(Counter(c.kind for c in puzzle.clues).items())),
-        "choices": {a: list(q.choices) for a, q in zip(letters, puzzle.questions)},
+        "choices": {a: list(q.choices) for a, q in zip(letters, questions)},
     }
 
 
-def generate_puzzle(seed: int, difficulty: int, list_choices: bool = False) -> dict[str, Any]:
+def generate_puzzle(seed: int, difficulty: int | str, list_choices: bool = False) -> dict[str, Any]:
     """One puzzle record; the same (seed, difficulty, list_choices) always gives the same record."""
     return puzzle_record(build_puzzle(seed, difficulty), list_choices)
 
 
-def _line(index: int, seed: int, difficulty: int, list_choices: bool) -> str:
+def _line(index: int, seed: int, difficulty: int | str, list_choices: bool) -> str:
     return json.dumps(generate_puzzle(puzzle_seed(seed, index), difficulty, list_choices), ensure_ascii=False)
 
 
-def generate_file(n: int, seed: int, difficulty: int, workers: int | None, out: str | Path,
+def generate_file(n: int, seed: int, difficulty: int | str, workers: int | None, out: str | Path,
                   list_choices: bool = False, progress: bool = True) -> Path:
     """Write n puzzles as JSONL in index order, generated on `workers` processes (all cores if None)."""
     if n < 1:
         raise UserError(f"--n must be at least 1, got {n}")
-    check_difficulty(difficulty)
+    difficulty = check_difficulty(difficulty)
     workers = workers or os.cpu_count() or 1
     if workers < 1:
         raise UserError(f"--workers must be at least 1, got {workers}")
