@@ -53,6 +53,44 @@ def test_a_groups_age_is_its_oldest_token():
     assert oldest_version(group) == 2 and is_partial(group) == [False]
 
 
+class _StaleThenFreshSampler:
+    """Sampler.one_group's contract without a model: the groups of positions below `fresh_from`
+    were sampled by policy version 0 (stale for a trainer at step 9), later ones by version 9."""
+
+    def __init__(self, fresh_from: int) -> None:
+        from types import SimpleNamespace
+
+        self.fresh_from = fresh_from
+        self.engine = SimpleNamespace(supports_in_flight_updates=False, in_flight_updates=False, policy_version=0)
+        self.cfg = load_config(None, [])
+
+    def one_group(self, position, level, version, times, metrics):
+        group = Group(Problem(f"p{position}", [], None), [1], [_completion(None)],
+                      version=0 if position < self.fresh_from else 9)
+        return group, True
+
+    def _reward_metrics(self, groups, times, metrics):
+        return 0.0
+
+
+def test_a_take_that_only_drops_stale_groups_wakes_the_generator():
+    """The buffer full of stale groups: take drops them all and must let the dispatcher refill it
+    before waiting (a lost wake-up here hung a two-worker run for good)."""
+    from sleuth.loop.stream import GroupStream
+
+    cfg = load_config(None, ["loop.tasks_per_iteration=1", "loop.max_staleness=2"])
+    stream = GroupStream(_StaleThenFreshSampler(fresh_from=6), cfg.loop, position=0, version=0)  # type: ignore[arg-type]
+    batches = []
+    taker = threading.Thread(target=lambda: batches.append(stream.take(10, 0)), daemon=True)
+    taker.start()
+    taker.join(60)
+    try:
+        assert batches, "take never returned: the generator was left asleep"
+        assert batches[0].positions == [6] and batches[0].metrics["rollout/stale_dropped"] == 6
+    finally:
+        stream.close()
+
+
 def test_streaming_run_bounds_staleness_and_accounts_for_every_position(tiny_model_dir, lowercase_task, tmp_path):
     iterations, k = 5, 2
     result = train(load_config(None, stream_args(tiny_model_dir, lowercase_task, iterations, k)), tmp_path / "run",

@@ -185,6 +185,9 @@ class GroupStream:
                     else:
                         taken.append(e)
                 if len(taken) < self.per_step and len(taken) + len(skipped) - stale < draws:
+                    # Groups skipped above made room: wake the dispatcher before waiting for more,
+                    # or a pass that only skipped (stale, no signal) leaves both sides asleep.
+                    self._cond.notify_all()
                     self._cond.wait(timeout=1.0)
             self._cond.notify_all()  # room in the buffer again
             buffered = len(self._buffer)
