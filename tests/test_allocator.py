@@ -18,14 +18,37 @@ from sleuth.system.allocator import (
 )
 
 
-def dry_run(tiny, **env: str) -> subprocess.CompletedProcess:
+def _dry_run(tiny, env: dict[str, str]) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "SLEUTH_ALLOCATOR", "MIMALLOC_PURGE_DELAY")}
     return subprocess.run([sys.executable, "-m", "sleuth", "train", "--dry-run", f"model.path={tiny}"],
                           capture_output=True, text=True, timeout=300, env={**clean, **env})
 
 
+SETTINGS = [{}, {"SLEUTH_ALLOCATOR": "system"}, {"SLEUTH_ALLOCATOR": "jemalloc"}, {"SLEUTH_ALLOCATOR": "mimalloc"},
+            {"SLEUTH_ALLOCATOR": "mimalloc", "MIMALLOC_PURGE_DELAY": "7"}, {"SLEUTH_ALLOCATOR": "tcmalloc"}]
+"""Every environment the tests below run `sleuth train --dry-run` under."""
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tiny_model_dir):
+    """The dry runs of SETTINGS, two at a time (each is one process start, mostly one core's work)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(_dry_run, tiny_model_dir, env) for env in SETTINGS]
+        yield {tuple(sorted(env.items())): f for env, f in zip(SETTINGS, futures, strict=True)}
+
+
+@pytest.fixture
+def dry_run(dry_runs):
+    def get(_tiny, **env: str) -> subprocess.CompletedProcess:
+        return dry_runs[tuple(sorted(env.items()))].result()
+
+    return get
+
+
 @pytest.mark.skipif(jemalloc_library() is None, reason="no jemalloc on this machine (Ray not installed)")
-def test_train_runs_on_jemalloc_when_asked(tiny_model_dir):
+def test_train_runs_on_jemalloc_when_asked(tiny_model_dir, dry_run):
     proc = dry_run(tiny_model_dir, SLEUTH_ALLOCATOR="system")
     assert proc.returncode == 0, proc.stderr
     assert "memory allocator: glibc malloc" in proc.stdout.splitlines()
@@ -35,7 +58,7 @@ def test_train_runs_on_jemalloc_when_asked(tiny_model_dir):
 
 
 @pytest.mark.skipif(mimalloc_library() is None, reason="cmeel-mimalloc is not installed")
-def test_train_runs_on_mimalloc_with_its_purge_delay(tiny_model_dir):
+def test_train_runs_on_mimalloc_with_its_purge_delay(tiny_model_dir, dry_run):
     lib = mimalloc_library()
     proc = dry_run(tiny_model_dir, SLEUTH_ALLOCATOR="mimalloc")
     assert proc.returncode == 0, proc.stderr
@@ -44,7 +67,7 @@ def test_train_runs_on_mimalloc_with_its_purge_delay(tiny_model_dir):
     assert f"memory allocator: mimalloc ({lib}), purge delay 7 ms" in proc.stdout.splitlines()
 
 
-def test_the_default_allocator_is_the_documented_one(tiny_model_dir):
+def test_the_default_allocator_is_the_documented_one(tiny_model_dir, dry_run):
     proc = dry_run(tiny_model_dir)
     assert proc.returncode == 0, proc.stderr
     want = "glibc malloc" if DEFAULT == "system" else DEFAULT
@@ -52,7 +75,7 @@ def test_the_default_allocator_is_the_documented_one(tiny_model_dir):
     assert PURGE_DELAY_MS >= 100  # mimalloc's own 10 ms re-faults every training step
 
 
-def test_unknown_allocator_is_one_line_and_exit_2(tiny_model_dir):
+def test_unknown_allocator_is_one_line_and_exit_2(tiny_model_dir, dry_run):
     proc = dry_run(tiny_model_dir, SLEUTH_ALLOCATOR="tcmalloc")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [

@@ -1,5 +1,6 @@
 """bench/learning.py's command line: bad flags exit 2 with a one-line error before any run starts."""
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -80,7 +81,11 @@ def test_smoke_runs_the_paired_diagnostics_on_the_tiny_model(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
-    assert lines[0].startswith("# cpu: ") and lines[-1].startswith("final_val=")
+    assert lines[0].startswith("# cpu: ")
+    headline = dict(item.split("=") for item in lines[-1].split())
+    assert set(headline) == {"final_val", "chance", "minutes", "gain_se"}, lines[-1]
+    # every headline a number; the gain over its standard error may be 0/0 when one iteration changes nothing
+    assert all(not math.isnan(float(v)) or k == "gain_se" for k, v in headline.items())
     summary = (tmp_path / "default-seed0" / "eval-diagnostics" / "summary.json").read_text()
     assert '"ablate_clues"' in summary and '"permute_options"' in summary
 

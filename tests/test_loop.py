@@ -198,12 +198,12 @@ def latest_checkpoint(run: Path) -> int:
     return max((int(n.split("-")[1]) for n in names), default=0)
 
 
-KILLS = 20
+KILLS = 10
 
 
 @pytest.mark.slow
 def test_fault_injection_kills_then_resume_match_an_uninterrupted_run(setup_files, tmp_path):
-    """`sleuth train` is killed at 20 seeded random moments, each by SIGKILL or SIGTERM, and resumed
+    """`sleuth train` is killed at 10 seeded random moments, each by SIGKILL or SIGTERM, and resumed
     each time; the final metrics and weights equal those of a run that was never interrupted.
 
     A moment is either during start-up (a random time after launch, before the first new
@@ -211,13 +211,13 @@ def test_fault_injection_kills_then_resume_match_an_uninterrupted_run(setup_file
     fraction of an iteration: inside the next iteration, a checkpoint save, or an evaluation).
     """
     tiny, task_file = setup_files
-    iterations = 40
+    iterations = 24
     args = [*overrides(tiny, task_file, iterations=iterations), "loop.checkpoint_every=2", "loop.eval_every=8"]
     reference = tmp_path / "reference"
     # The reference runs as the killed runs do, through the CLI: `sleuth train` re-executes itself
     # on mimalloc (allocator.py), pytest's process runs on glibc, and buffers placed differently can
     # take other vectorized code paths whose float sums differ in the last bit, which 40
-    # iterations grow into a different metric (seen on an AVX-512 machine without AMX).
+    # iterations grew into a different metric (seen on an AVX-512 machine without AMX).
     ref = _cli(["train", *args, "--out", str(reference)], tmp_path)
     _, err = ref.communicate(timeout=600)
     assert ref.returncode == 0, err[-3000:]

@@ -53,6 +53,24 @@ def test_corrupt_config_json_is_caught_by_dry_run(broken, capsys):
     assert "no_such_architecture" in dry_run_error(capsys, f"model.path={broken}")
 
 
+def test_latent_attention_with_fewer_kv_heads_is_refused_in_one_line(tmp_path, capsys):
+    """transformers' latent-attention models (DeepSeek V3, Mistral 4 ...) crash in their first
+    forward pass when num_key_value_heads != num_attention_heads; the folder is refused up front."""
+    import json
+
+    from sleuth.testing.tiny_model import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "mla", arch="deepseek_v3")  # 4 heads, 4 kv heads: loads
+    load_causal_lm(str(folder), "float32")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"num_attention_heads": 8}))
+    with pytest.raises(UserError, match=r"config.json: latent attention \(kv_lora_rank 32\) needs "
+                                        r"num_key_value_heads equal to num_attention_heads \(4 against 8\)"):
+        load_causal_lm(str(folder), "float32")
+    capsys.readouterr()  # the tiny model's writing progress
+    assert "needs num_key_value_heads equal to num_attention_heads" in dry_run_error(capsys, f"model.path={folder}")
+
+
 def test_lora_targets_are_checked_against_the_model(tiny, capsys):
     message = dry_run_error(capsys, f"model.path={tiny}", "model.lora.enabled=true", "model.lora.target_modules=[q_proj,qproj]")
     assert "model.lora.target_modules: 'qproj' is not a module of the model (its linear layers: " in message

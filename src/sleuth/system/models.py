@@ -123,11 +123,27 @@ def model_config(folder: Path) -> Any:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
         own = config_class(raw.get("model_type", "")) if isinstance(raw, dict) else None
-        return (own or AutoConfig).from_pretrained(folder)
+        config = (own or AutoConfig).from_pretrained(folder)
     except (ValueError, OSError, KeyError) as e:
         why = "not valid JSON" if isinstance(e, json.JSONDecodeError | UnicodeDecodeError) else \
             (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise UserError(f"{path}: {why}") from None
+    check_latent_attention_heads(config, path)
+    return config
+
+
+def check_latent_attention_heads(config: Any, path: Path) -> None:
+    """Latent attention (kv_lora_rank: DeepSeek V2/V3, Mistral 4, Kimi Linear ...) expands keys and
+    values to every query head, and transformers' models of it still repeat them by
+    num_attention_heads // num_key_value_heads: unequal counts crash in the first forward pass."""
+    for c in (config, getattr(config, "text_config", None)):
+        if c is None or getattr(c, "kv_lora_rank", None) is None:
+            continue
+        heads, kv = getattr(c, "num_attention_heads", None), getattr(c, "num_key_value_heads", None)
+        if kv is not None and heads is not None and kv != heads:
+            raise UserError(f"{path}: latent attention (kv_lora_rank {c.kv_lora_rank}) needs num_key_value_heads "
+                            f"equal to num_attention_heads ({kv} against {heads}): its keys and values cover "
+                            "every head")
 
 
 def check_weights_files(folder: Path) -> None:

