@@ -172,7 +172,7 @@ def test_openenv_server_dying_mid_episode_is_counted_and_unreachable_is_one_line
     assert [o.status for o in outcomes[0]] == ["error", "error"] and metrics["rollout/episode_errors"] == 2
 
 
-def cli_train_and_eval(tmp_path, name, *extra, iterations=2, k=2):
+def cli_train_and_eval(tmp_path, name, *extra, tasks=2, k=2):
     from sleuth.cli import main
     from sleuth.testing.tiny_model import write_tiny_model
 
@@ -181,11 +181,11 @@ def cli_train_and_eval(tmp_path, name, *extra, iterations=2, k=2):
     common = ["rollout.engine=hf", "model.dtype=float32", "rollout.max_tokens=8", "task.eval_size=2", *extra]
     code = main(["train", f"model.path={model}", f"task.name={name}", "algorithm.credit=sequence",
                  "algorithm.format_reward=0", "trainer.mini_batches=1", "model.lora.enabled=false",
-                 "rollout.samples_per_task=2", f"loop.iterations={iterations}", "loop.tasks_per_iteration=2", "eval.k=1",
+                 "rollout.samples_per_task=2", "loop.iterations=2", f"loop.tasks_per_iteration={tasks}", "eval.k=1",
                  "loop.checkpoint_every=0", *common, "--out", str(run)])
     assert code == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == list(range(iterations + 1))
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
     out = tmp_path / "eval"
     assert main(["eval", "--model", str(run / "model"), "--task", name, "--k", str(k), "--out", str(out), *common]) == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -205,12 +205,12 @@ def test_train_and_eval_a_verifiers_environment(tmp_path):
 
 @pytest.mark.slow
 def test_train_and_eval_a_multi_turn_verifiers_environment_with_a_tool(tmp_path):
-    # One iteration and one sample per problem: each episode starts the toolset's server, seconds apiece;
-    # the multi-turn path itself is covered in-process by test_verifiers_multi_turn_with_a_tool.
-    rows, summary = cli_train_and_eval(tmp_path, "verifiers:sleuth_vf_tool", "task.episode.max_turns=3",
-                                       iterations=1, k=1)
+    # One problem per iteration, one sample per held-out problem: each episode starts the toolset's
+    # server, seconds apiece (the multi-turn path is also covered in-process by
+    # test_verifiers_multi_turn_with_a_tool).
+    rows, summary = cli_train_and_eval(tmp_path, "verifiers:sleuth_vf_tool", "task.episode.max_turns=3", tasks=1, k=1)
     for r in rows[1:]:
-        assert r["rollout/episodes"] == 4 and r["rollout/episode_errors"] == 0
+        assert r["rollout/episodes"] == 2 and r["rollout/episode_errors"] == 0
     assert 0 <= summary["avg"] <= 1.25
 
 
