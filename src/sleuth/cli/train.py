@@ -29,8 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="train a model with RL on a task (no config: the embedded default, ~15 min on a CPU)",
         description="Train with GRPO-family RL: sample tasks, generate, score, advantages, train, sync "
         "weights, evaluate, checkpoint. Without a config file it runs the embedded default "
-        "(SmolLM2-135M-Instruct, LoRA, Temporal Clue difficulty 1) and prints held-out reward before "
-        "and after training next to the chance level.",
+        "(SmolLM2-135M-Instruct, full weights, on Temporal Clue: a supervised warm start, then RL at "
+        "the elim1 rung) and prints held-out reward at the start and end of RL next to the chance level "
+        "and the best constant answer.",
     )
     p.add_argument("args", nargs="*", metavar="CONFIG.yaml | key=value",
                    help="an optional config file, then dotted overrides such as trainer.lr=1e-5")
