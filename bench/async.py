@@ -1,11 +1,12 @@
 """Synchronous vs one-step overlap vs fully asynchronous training on long-tailed completions.
 
-    .venv/bin/python bench/async.py [--iterations 12] [--tasks 8] [--max-tokens 192] [--smoke]
+    .venv/bin/python bench/async.py [--iterations 12] [--tasks 8] [--max-tokens 192] [--engine hf|vllm] [--smoke]
 
-Runs the real loop (sleuth.loop.train.train, the transformers engine in process, LoRA) three times
+Runs the real loop (sleuth.loop.train.train, the rollout engine in process, LoRA) three times
 on the same workload: `loop.max_staleness=0` (synchronous), `loop.max_staleness=1` (batch-level
 overlap, one step off-policy) and `loop.streaming=true` with `loop.max_staleness=2` (groups streamed
-through a buffer, weight updates in flight). The model is sleuth.testing.tiny_model (random init,
+through a buffer, weight updates in flight: between decoding steps in the transformers engine, as
+partial rollouts in vLLM, whose samples in flight resume with the new weights). The model is sleuth.testing.tiny_model (random init,
 byte-level vocabulary); the task rewards lowercase letters, and completions stop at any digit
 (`rollout.stop` = the ten digits), so their lengths are geometric: most are short, a few run to
 max_tokens (10x and more between the 10th and the 90th percentile), the long tail that holds a
@@ -48,11 +49,12 @@ def run_mode(name: str, extra: list[str], args: argparse.Namespace, root: Path, 
         f"model.path={tiny_model_folder()}", "model.dtype=float32", "model.lora.rank=4", "model.lora.alpha=8",
         "model.lora.last_layers=null", f"task.name={task}:problems", "task.verifier_isolation=inline",
         "algorithm.credit=sequence", "algorithm.format_reward=0", "algorithm.drop_zero_advantage=false",
-        "trainer.mini_batches=1", "trainer.lr=0.001", "rollout.engine=hf",
+        "trainer.mini_batches=1", "trainer.lr=0.001", f"rollout.engine={args.engine}",
         f"rollout.samples_per_task={args.samples}", f"rollout.max_tokens={args.max_tokens}",
         "rollout.stop=['0','1','2','3','4','5','6','7','8','9']",
         f"loop.iterations={args.iterations}", f"loop.tasks_per_iteration={args.tasks}", "loop.evaluate=false",
-        "loop.checkpoint_every=0", "logging.tensorboard=false", *extra,
+        "loop.checkpoint_every=0", "logging.tensorboard=false",
+        *(["rollout.kv_cache_gb=0.1"] if args.engine == "vllm" else []), *extra,
     ]
     run_dir = root / name
     start = time.perf_counter()
@@ -81,12 +83,14 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=8, help="loop.tasks_per_iteration")
     parser.add_argument("--samples", type=int, default=4, help="rollout.samples_per_task")
     parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="rollout.engine (vllm: merged LoRA synced "
+                        "as full weights, in flight as partial rollouts)")
     add_smoke_flag(parser)
     args = parser.parse_args()
     if args.smoke:
         args.iterations, args.tasks, args.samples, args.max_tokens = 3, 2, 2, 16
     print(f"# {cpu_description()}; {args.iterations} iterations x {args.tasks} problems x {args.samples} samples, "
-          f"max {args.max_tokens} tokens, stop at a digit", file=sys.stderr)
+          f"max {args.max_tokens} tokens, stop at a digit, {args.engine} engine", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="sleuth-bench-async-") as tmp:
         root = Path(tmp)
         task = root / "lowercase_task.py"

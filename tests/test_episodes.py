@@ -139,6 +139,38 @@ def test_train_two_iterations_on_the_guess_number_example(tmp_path):
     assert (run / "model" / "config.json").is_file()
 
 
+def test_streaming_an_episode_task_runs_each_groups_episodes_on_one_held_session(tmp_path):
+    """loop.streaming on the guess-number example: each group's episodes run as the stream draws
+    its problem (EpisodeRunner.open_shared), their metrics count episodes, the staleness bound holds
+    and every drawn position is accounted for."""
+    from pathlib import Path
+
+    from sleuth.cli import main
+    from sleuth.testing.tiny_model import write_tiny_model
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "guess_number.py"
+    model = write_tiny_model(tmp_path / "tiny")
+    run = tmp_path / "run"
+    code = main(["train", f"model.path={model}", f"task.name={example}:problems", "rollout.engine=hf",
+                 "algorithm.credit=sequence", "algorithm.format_reward=0", "trainer.mini_batches=1",
+                 "model.dtype=float32", "model.lora.enabled=false", "rollout.samples_per_task=2",
+                 "rollout.max_tokens=4", "loop.iterations=3", "loop.tasks_per_iteration=2", "loop.evaluate=false",
+                 "loop.streaming=true", "loop.max_staleness=2", "algorithm.drop_zero_advantage=false",
+                 "loop.checkpoint_every=0", "--out", str(run)])
+    assert code == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert len(r["rollout/positions"]) == 2 and r["rollout/staleness_max"] <= 2
+        assert r["rollout/episodes"] == 2 * (2 + len(r["rollout/skipped_positions"]))
+        assert r["rollout/episode_errors"] == 0 and r["rollout/episode_calls_mean"] == 4
+        assert r["train/sequences"] == 2 * 2  # 2 groups x 2 episodes (an episode's turns are one sequence)
+    consumed = [p for r in rows for p in r["rollout/positions"] + r["rollout/skipped_positions"]]
+    state = json.loads((run / "checkpoints" / "iter-000003" / "state.json").read_text())
+    assert len(consumed) == len(set(consumed))
+    assert sorted(consumed + state["stream_pending"]) == list(range(state["data_position"]))
+
+
 @pytest.mark.slow
 def test_eval_on_an_episode_task(tmp_path, capsys):
     from pathlib import Path

@@ -184,6 +184,62 @@ def test_sync_weights_after_prefix_cache_use(engine, reference):
         engine.sync_weights(original)
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_vllm_weight_update_in_flight_resumes_samples_with_the_new_weights(engines, reference):
+    """loop.streaming's partial rollouts in vLLM: a sync during a generation lands between two engine
+    steps (the generation does not finish first); each sample in flight keeps its tokens so far
+    (the old weights' logprobs) and goes on with the new weights, its KV cache recomputed by them
+    (every later logprob equals a transformers forward of the new weights over the whole sequence),
+    and its tokens carry both versions."""
+    engine = engines("vllm")
+    original = [(n, p.detach().clone()) for n, p in reference.named_parameters()]
+    scaled = [(n, t * 1.5 if "v_proj" in n else t) for n, t in original]
+    request = req(4, 120, seed=11, plen=40)
+    started = threading.Event()
+
+    def slow_process(outputs, active):  # a few ms a step, and a signal once tokens are out
+        type(engine)._process(engine, outputs, active)
+        time.sleep(0.01)
+        if any(len(a.tokens) >= 8 for a in active.values()):
+            started.set()
+
+    engine._process = slow_process
+    engine.in_flight_updates, engine.policy_version = True, 0
+    partial_before = engine.stats()["partial"]
+    try:
+        results = []
+        gen = threading.Thread(target=lambda: results.append(engine.generate_all([request])))
+        gen.start()
+        assert started.wait(60)
+        engine.sync_weights(scaled)
+        engine.policy_version = 1  # as WeightSync.snapshot's push does once the weights are sent
+        finished_before_the_sync_returned = bool(results)
+        gen.join(120)
+        assert not finished_before_the_sync_returned and results
+        assert engine.stats()["partial"] > partial_before
+        new_model = reference.__class__(reference.config).eval()
+        new_model.load_state_dict(dict(scaled), strict=False)
+        resumed = 0
+        for s in results[0][0].samples:
+            assert s.token_versions is not None and len(s.token_versions) == len(s.token_ids)
+            if s.token_versions[-1] != 1:
+                continue
+            resumed += 1
+            lps = torch.tensor(s.logprobs)
+            old = (lps - forward_logprobs(reference, request.prompt_ids, s.token_ids)).abs() <= LOGPROB_TOL
+            new = (lps - forward_logprobs(new_model, request.prompt_ids, s.token_ids)).abs() <= LOGPROB_TOL
+            switch = int(torch.cumprod(old.int(), 0).sum())  # tokens before it: the old weights'
+            assert switch >= 8 and bool(new[switch:].all()), (switch, new.int().tolist())
+            assert set(s.token_versions[:switch]) == {0}  # never labelled newer than its weights
+        assert resumed >= 1
+    finally:
+        del engine._process
+        engine.in_flight_updates, engine.policy_version = False, 0
+        engine.sync_weights(original)
+
+
 def test_release_memory_then_generation_is_unchanged(engine):
     # The loop releases the engine's memory before each training step (the engine idles until the
     # sync). vLLM on CPU gives its KV cache's pages back; the next rollout must be exactly as before.

@@ -63,11 +63,12 @@ class _StaleThenFreshSampler:
         self.fresh_from = fresh_from
         self.engine = SimpleNamespace(supports_in_flight_updates=False, in_flight_updates=False, policy_version=0)
         self.cfg = load_config(None, [])
+        self.episodes = None
 
     def one_group(self, position, level, version, times, metrics):
         group = Group(Problem(f"p{position}", [], None), [1], [_completion(None)],
                       version=0 if position < self.fresh_from else 9)
-        return group, True
+        return group, True, None
 
     def _reward_metrics(self, groups, times, metrics):
         return 0.0
@@ -147,6 +148,32 @@ def test_hf_engine_swaps_weights_in_flight_and_records_token_versions(lora):
         assert_engine_matches(policy, engine)  # the swap delivered the whole update
     finally:
         engine.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [True, False], ids=["adapter", "full"])
+def test_streaming_run_on_the_vllm_engine_updates_in_flight_and_checks_each_sync(tiny_model_dir, lowercase_task,
+                                                                                 tmp_path, lora):
+    """The in-process vLLM engine under loop.streaming: syncs (adapter-only with LoRA, else full
+    weights) land between engine steps, each one checked against the trainer's probe; the bound
+    holds for every trained token, every drawn position is accounted for."""
+    pytest.importorskip("vllm")
+    iterations, k = 4, 2
+    args = [*stream_args(tiny_model_dir, lowercase_task, iterations, k), "rollout.engine=vllm",
+            "rollout.kv_cache_gb=0.05", "rollout.max_tokens=24", "loop.evaluate=false", f"model.lora.enabled={lora}",
+            f"rollout.native_lora={lora}"]
+    train(load_config(None, args), tmp_path / "run", out=StringIO())
+    rows = read_metrics(tmp_path / "run")
+    assert [r["iteration"] for r in rows] == list(range(1, iterations + 1))
+    assert all(r["rollout/staleness_max"] <= k and len(r["rollout/positions"]) == 2 for r in rows)
+    assert all(r["sync/adapter"] == float(lora) for r in rows)
+    assert any("time/sync_check_s" in r for r in rows)
+    assert all(0 <= r["rollout/partial_frac"] <= 1 for r in rows)
+    consumed = [p for r in rows for p in r["rollout/positions"] + r["rollout/skipped_positions"]]
+    state = json.loads((tmp_path / "run" / "checkpoints" / f"iter-{iterations:06d}" / "state.json").read_text())
+    assert len(consumed) == len(set(consumed))
+    assert sorted(consumed + state["stream_pending"]) == list(range(state["data_position"]))
 
 
 def test_weight_sync_check_stops_a_sync_that_never_arrives():

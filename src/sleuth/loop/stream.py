@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from sleuth.config import LoopConfig
-from sleuth.loop.batch import Batch, Sampler
+from sleuth.loop.batch import Batch, Sampler, episode_metrics
 from sleuth.records import Group
 from sleuth.rollout.sync import SyncStats, WeightSync
 
@@ -72,6 +72,8 @@ class Entry:
     signal: bool
     times: dict[str, float]
     metrics: dict[str, Any] = field(default_factory=dict)
+    outcomes: list[Any] | None = None
+    """An episode task's: the group's episodes (EpisodeOutcome), for episode_metrics."""
 
 
 def _new_times() -> dict[str, float]:
@@ -107,6 +109,8 @@ class GroupStream:
         self.in_flight_updates = bool(engine.supports_in_flight_updates)
         engine.in_flight_updates = self.in_flight_updates
         engine.policy_version = version
+        if sampler.episodes is not None:  # episode tasks: every group's episodes on one held session
+            sampler.episodes.open_shared()
         self._workers = cf.ThreadPoolExecutor(max_workers=self.capacity, thread_name_prefix="stream")
         self._syncs = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-sync")
         self._dispatcher: threading.Thread | None = None
@@ -138,8 +142,8 @@ class GroupStream:
     def _generate(self, position: int, level: int, version: int) -> None:
         times, metrics = _new_times(), {}
         try:
-            group, signal = self.sampler.one_group(position, level, version, times, metrics)
-            entry: Entry | None = Entry(position, group, signal, times, metrics)
+            group, signal, outcomes = self.sampler.one_group(position, level, version, times, metrics)
+            entry: Entry | None = Entry(position, group, signal, times, metrics, outcomes)
         except BaseException as e:  # the trainer's next take raises it
             entry = None
             with self._cond:
@@ -232,6 +236,10 @@ class GroupStream:
         wall = time.perf_counter() - self._idle["since_take"]
         self._idle["since_take"] = time.perf_counter()
         batch.reward_mean = self.sampler._reward_metrics(groups + [e.group for e in skipped], times, batch.metrics)
+        outcomes = [e.outcomes for e in taken + skipped if e.outcomes is not None]
+        if outcomes:  # an episode task: rollout/* over episodes, as Sampler.collect reports them
+            batch.metrics.update(episode_metrics(outcomes, groups + [e.group for e in skipped]))
+            batch.reward_mean = batch.metrics["rollout/reward_mean"]
         tokens = batch.metrics.get("rollout/tokens", 0.0)
         batch.metrics.update({
             "time/rollout_s": wall, "rollout/tokens_per_s": tokens / max(wall, 1e-9),
@@ -301,6 +309,8 @@ class GroupStream:
             self._dispatcher.join()
         self._workers.shutdown(wait=True, cancel_futures=True)
         self._syncs.shutdown(wait=True, cancel_futures=True)
+        if self.sampler.episodes is not None:
+            self.sampler.episodes.close_shared()
         self.sampler.engine.in_flight_updates = False
         if self._sync_errors:
             raise self._sync_errors.pop(0)

@@ -10,7 +10,13 @@ Each of a group's n samples is its own vLLM request (its own seed, see sample_se
 shares the prompt's KV blocks among them, and one sample can be aborted alone.
 
 Weights (vllm_weights.py): full weights reloaded in place under the published checkpoint's
-names, then the prefix cache is reset (its KV was computed by the old weights). LoRA
+names, then the prefix cache is reset (its KV was computed by the old weights). A sync waits for
+the rollouts queued before it, unless `in_flight_updates` (loop.streaming): then it runs between two
+engine steps, and the samples in flight are partial rollouts. vLLM's scheduler preempts them
+(`reset_prefix_cache(reset_running_requests=True)`): their KV cache is dropped, and each one resumes
+by prefilling its prompt and its tokens so far with the new weights, keeping its request, its
+sampler's state (seed, structured-output state, stop strings) and its tokens; each token records
+the policy version that sampled it (Sample.token_versions). LoRA
 (rollout.native_lora): vLLM serves the adapter itself, reloaded in place from a folder in /dev/shm
 on every sync (vLLM's LoRA loader only reads paths; this works on CPU too); otherwise the adapter
 is merged into full weights and synced as such.
@@ -75,6 +81,8 @@ class _Active:
     index: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """The policy version of each token (the engine's when it was sampled)."""
     average: float = 0.0  # early-stop moving average
 
 
@@ -82,6 +90,9 @@ class _Active:
 class _Call:
     fn: Callable[[], Any]
     future: Future[Any]
+    in_flight: bool = False
+    """Runs between two engine steps, not after the rollouts queued before it (a weight update
+    with in_flight_updates: fn preempts the samples in flight itself)."""
 
 
 _LIVE = [0]
@@ -137,7 +148,11 @@ class VLLMEngine(RolloutEngine):
         self._inbox: queue.Queue[Any] = queue.Queue()
         self._counter = itertools.count()
         self._counts = {"samples": 0, "tokens": 0, "aborted": 0, "preemptions": 0,
-                        "prefix_queries": 0, "prefix_hits": 0, "syncs": 0}
+                        "prefix_queries": 0, "prefix_hits": 0, "syncs": 0, "partial": 0}
+        """partial: samples in flight at a weight update (resumed with the new weights); vLLM counts
+        them as preemptions too, stats() reports the others (KV-cache pressure) as preemptions."""
+        self._active: dict[str, _Active] = {}
+        """The samples inside vLLM now (the driver thread's; read by the in-flight updates it runs)."""
         self._lora_request: Any = None
         self._lora_dir: Path | None = None
         self._skeleton: Any = None
@@ -234,6 +249,8 @@ class VLLMEngine(RolloutEngine):
                 f"within {self.timeout_s:g} s (rollout.timeout_s)"
             ) from None
 
+    supports_in_flight_updates = True
+
     @property
     def full_sync_supported(self) -> bool:
         """Whether merged full weights can be loaded in place (vllm_weights.full_sync_refusal: not
@@ -257,7 +274,7 @@ class VLLMEngine(RolloutEngine):
 
             self._skeleton = model_skeleton(Path(self.model_path))
         tensors = published_names(self._skeleton, named_tensors)
-        self._call(lambda: self._load(tensors), "weight sync (sync_weights)")
+        self._call(lambda: self._load(tensors), "weight sync (sync_weights)", self.in_flight_updates)
 
     @property
     def native_lora(self) -> bool:
@@ -271,7 +288,7 @@ class VLLMEngine(RolloutEngine):
         def load() -> None:
             from vllm.lora.request import LoRARequest
 
-            self._engine.reset_prefix_cache()
+            self._reset_prefix_cache()
             if adapter is None:
                 if self._lora_request is not None:
                     self._engine.remove_lora(self._lora_request.lora_int_id)
@@ -284,10 +301,10 @@ class VLLMEngine(RolloutEngine):
             # load_inplace: the same adapter id is reloaded from the folder, replacing the old one.
             self._lora_request = LoRARequest("policy", 1, str(self._lora_dir), load_inplace=True)
             self._engine.add_lora(self._lora_request)
-            self._engine.reset_prefix_cache()  # again: the old adapter's KV may be cached under this id
+            self._reset_prefix_cache()  # again: the old adapter's KV may be cached under this id
             self._counts["syncs"] += 1
 
-        self._call(load, "LoRA sync (sync_lora)")
+        self._call(load, "LoRA sync (sync_lora)", self.in_flight_updates)
 
     def release_memory(self) -> int:
         """On CPU, the KV cache's pages (rollout.kv_cache_gb, touched in full at start-up) go back to
@@ -306,6 +323,7 @@ class VLLMEngine(RolloutEngine):
     def stats(self) -> dict[str, float]:
         lim = self.limiter
         out = {k: float(v) for k, v in self._counts.items()}
+        out["preemptions"] = float(max(0, self._counts["preemptions"] - self._counts["partial"]))
         out.update(kv_blocks=float(lim.total_blocks), block_size=float(lim.block_size),
                    peak_in_flight=float(lim.peak_in_flight),
                    mean_completion=float(lim.mean_completion or 0.0),
@@ -329,17 +347,27 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ driver thread
 
-    def _call(self, fn: Callable[[], Any], step: str) -> Any:
-        """Run fn on the driver thread once the rollouts queued before it have finished."""
+    def _call(self, fn: Callable[[], Any], step: str, in_flight: bool = False) -> Any:
+        """Run fn on the driver thread once the rollouts queued before it have finished, or, in_flight,
+        between two engine steps."""
         self._check_alive()
         fut: Future[Any] = Future()
-        self._inbox.put(_Call(fn, fut))
+        self._inbox.put(_Call(fn, fut, in_flight))
         return self._wait(fut, step)
 
     def _load(self, tensors: list[tuple[str, Any]]) -> None:
         load_full(self._engine, tensors, self.on_cpu)
-        self._engine.reset_prefix_cache()
+        self._reset_prefix_cache()
         self._counts["syncs"] += 1
+
+    def _reset_prefix_cache(self) -> None:
+        """After new weights: no KV computed by the old ones is read again. Samples in flight (an
+        in-flight update) are preempted by vLLM's scheduler and resume by prefilling their prompt and
+        tokens so far with the new weights."""
+        running = bool(self._active)
+        if not self._engine.reset_prefix_cache(reset_running_requests=running):
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight update")
+        self._counts["partial"] += sum(1 for a in self._active.values() if a.tokens) if running else 0
 
     def _loop(self) -> None:
         try:
@@ -368,7 +396,7 @@ class VLLMEngine(RolloutEngine):
         pending: deque[tuple[_Group, int]] = deque()  # samples waiting for KV room
         held: list[_Group] = []  # groups that arrived after a call (a sync) still waiting to run
         calls: list[_Call] = []
-        active: dict[str, _Active] = {}
+        active = self._active
         while True:
             idle = not active and not pending and not calls
             try:
@@ -380,7 +408,9 @@ class VLLMEngine(RolloutEngine):
                     for g, _ in pending:
                         resolve_future(g.loop, g.future, exc=RuntimeError("VLLMEngine closed"))
                     return
-                if isinstance(item, _Call):
+                if isinstance(item, _Call) and item.in_flight and not calls:
+                    _run_call(item)  # between two steps: the samples in flight go on after it
+                elif isinstance(item, _Call):
                     calls.append(item)
                 elif calls:
                     held.append(item)
@@ -394,11 +424,7 @@ class VLLMEngine(RolloutEngine):
             if calls and not active and not pending:
                 # A barrier: everything queued before it has finished; run it, then what came after.
                 for c in calls:
-                    if c.future.set_running_or_notify_cancel():
-                        try:
-                            c.future.set_result(c.fn())
-                        except BaseException as e:
-                            c.future.set_exception(e)
+                    _run_call(c)
                 calls.clear()
                 pending.extend((g, i) for g in held for i in range(g.request.n))
                 held.clear()
@@ -450,6 +476,7 @@ class VLLMEngine(RolloutEngine):
             lps = [c.logprobs[j][t].logprob for j, t in enumerate(new)] if new else []
             a.tokens.extend(new)
             a.logprobs.extend(lps)
+            a.versions.extend([self.policy_version] * len(new))
             if out.finished:
                 reason: FinishReason = c.finish_reason if c.finish_reason in ("stop", "length") else "abort"
                 self._finish(out.request_id, a, reason, active)
@@ -463,7 +490,8 @@ class VLLMEngine(RolloutEngine):
     def _finish(self, key: str, a: _Active, reason: FinishReason, active: dict[str, _Active]) -> None:
         del active[key]
         self.limiter.release(key, None if reason == "abort" else len(a.tokens))
-        finish_sample(a.group, a.index, a.tokens, a.logprobs, reason, self.tokenizer, self._counts)
+        finish_sample(a.group, a.index, a.tokens, a.logprobs, reason, self.tokenizer, self._counts,
+                      a.versions if self.in_flight_updates else None)
 
     def _drop_cancelled(self, pending: deque[tuple[_Group, int]], active: dict[str, _Active]) -> None:
         """Forget the samples of requests whose caller timed out: abort them in vLLM, free KV room."""
@@ -477,6 +505,14 @@ class VLLMEngine(RolloutEngine):
             for k in gone:
                 del active[k]
                 self.limiter.release(k, None)
+
+
+def _run_call(call: _Call) -> None:
+    if call.future.set_running_or_notify_cancel():
+        try:
+            call.future.set_result(call.fn())
+        except BaseException as e:
+            call.future.set_exception(e)
 
 
 def _release_kv_cache(worker: Any) -> int:
