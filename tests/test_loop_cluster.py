@@ -132,6 +132,8 @@ def test_two_trainer_ranks_and_two_rollout_workers_match_one_process(setup, tmp_
     worst = assert_same_run(got, want)
     print(f"largest loss difference, 2 trainer ranks + 2 rollout workers vs one process: {worst:.2e}")
     assert got[-1]["sync/broadcast_fallbacks"] == 0
+    # every sync checked: the ranks' probe (rank 0's logprobs) against each worker's
+    assert all("time/sync_check_s" in r for r in got[1:]) and not any("not checked" in line for line in run.err)
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()  # exported by rank 0
 
 

@@ -109,6 +109,12 @@ class TrainerRank:
         else:
             load_full_weights(directory, self.policy)
 
+    def greedy_probe(self, prompt_ids: list[int], n: int) -> tuple[list[int], Any] | None:
+        """The weight-sync check's probe (Policy.greedy_probe) on rank 0, None elsewhere; collective
+        (every rank runs the same forwards: FSDP2 gathers each layer's shards for them)."""
+        probe = self.policy.greedy_probe(prompt_ids, n)
+        return probe if self.rank == 0 else None
+
     def sync_state(self) -> list[tuple[str, Any]] | None:
         """Full merged weights (HF names) on rank 0, None elsewhere; collective."""
         from sleuth.train.fsdp import gathered
@@ -257,6 +263,10 @@ class TrainerGroup:
     def load_weights(self, directory: str | Path) -> None:
         """Load a checkpoint's weights written by any number of ranks or by one plain process."""
         self._all("load", str(directory))
+
+    def greedy_probe(self, prompt_ids: list[int], n: int) -> tuple[list[int], Any]:
+        """The trainer's side of the weight-sync check (rollout/sync_check.py), from rank 0."""
+        return self._all("greedy_probe", prompt_ids, n)[0]
 
     def sync_state(self) -> Iterator[tuple[str, Any]]:
         """(HF name, tensor) of the full merged weights, gathered on rank 0."""

@@ -19,7 +19,6 @@ at the first step.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -109,15 +108,11 @@ AUTO_TOLERANCE = {"float32": 0.05, "bfloat16": 0.25, "float16": 0.25}
 def make_sync_check(policy: Any, engine: RolloutEngine, tolerance: float | str | None,
                     dtype: str) -> SyncCheck | None:
     """rollout.sync_check_tolerance's check (auto: by `dtype`, the run's resolved model dtype), or
-    None when it is off (None or 0). FSDP2 trainer ranks (cluster.trainer_workers > 1) have no probe
-    of their own yet: not checked, said once."""
+    None when it is off (None or 0). `policy`: the trainer in this process (Policy) or its FSDP2
+    ranks (TrainerGroup: the probe runs on every rank, rank 0's is compared)."""
     if tolerance == "auto":
         tolerance = AUTO_TOLERANCE.get(dtype, AUTO_TOLERANCE["bfloat16"])
     if not tolerance:
         return None
     assert not isinstance(tolerance, str)
-    if not hasattr(policy, "greedy_probe"):
-        print("sleuth: note: rollout.sync_check_tolerance: the weight-sync check needs the trainer in this "
-              "process (cluster.trainer_workers=1); syncs are not checked", file=sys.stderr)
-        return None
     return SyncCheck(policy, engine, policy.tokenizer, tolerance)
