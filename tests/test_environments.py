@@ -105,6 +105,9 @@ def test_verifiers_failures_are_counted_or_one_line():
                                      "task.environment.args={num_tasks: 3}"]))
     with pytest.raises(ConfigError, match="needs an environment after the colon"):
         check_names(load_config(None).model_copy(update={"task": TaskConfig(name="verifiers:")}))
+    for name in ("verifiers:", "openenv:"):  # from the command line (YAML would read a mapping there)
+        with pytest.raises(ConfigError, match=f"'{name}' needs an environment after the colon"):
+            check_names(load_config(None, [f"task.name={name}"]))
 
 
 def test_unsupported_or_missing_library_is_one_line(monkeypatch):

@@ -415,10 +415,13 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 
 def _parse_value(text: str) -> Any:
+    """An override's value as YAML reads it; a mapping only when written as one (`{a: 1}`), so
+    `task.name=verifiers:` stays the text it is (and gets its own error), not {'verifiers': None}."""
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    return text if isinstance(value, dict) and not text.lstrip().startswith("{") else value
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
