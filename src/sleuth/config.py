@@ -11,6 +11,7 @@ sleuth.loop.checks (config imports no stage), before any model loads.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -464,12 +465,14 @@ def config_from_dict(data: dict[str, Any]) -> Config:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                sections: tuple[str, ...] | None = None) -> Config:
+                sections: tuple[str, ...] | None = None, migrate: bool = False) -> Config:
     """Load a YAML file (or the defaults when path is None) and apply `a.b=value` overrides.
 
     With `sections`, only those sections are read from the file (the others keep their defaults and
     are never validated: `sleuth serve` reads no task, so a run's task module is never imported),
-    and an override outside them is a ConfigError."""
+    and an override outside them is a ConfigError. `migrate`: the file is a run directory's own
+    config.yaml, whose keys that have moved since it was written (MOVED_KEYS) are read at their
+    new homes, said in one note (a config file of the user's gets the error naming the new home)."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -494,6 +497,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         data = loaded
+        if migrate:
+            moved = move_keys(data)
+            if moved:
+                print(f"sleuth: note: {p}: read {', '.join(f'{old} as {new}' for old, new in moved)} (keys moved "
+                      "since the run was written)", file=sys.stderr)
     if sections is not None:
         data = {k: v for k, v in data.items() if k in sections}
     for item in overrides:
@@ -504,6 +512,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"override '{item}': only {', '.join(sections)} settings apply here")
         _set_dotted(data, key.strip(), _parse_value(value))
     return config_from_dict(data)
+
+
+def move_keys(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """Move, in place, every key of MOVED_KEYS that `data` holds to its new home (unless that is
+    set too); returns the (old, new) pairs moved."""
+    moved = []
+    for old, new in MOVED_KEYS.items():
+        section, key = old.split(".", 1)
+        node = data.get(section)
+        if not isinstance(node, dict) or key not in node:
+            continue
+        parts = new.split(".")
+        target = data
+        for part in parts[:-1]:
+            child = target.setdefault(part, {})
+            if not isinstance(child, dict):
+                break
+            target = child
+        else:
+            if parts[-1] not in target:
+                target[parts[-1]] = node.pop(key)
+                moved.append((old, new))
+    return moved
 
 
 def dump_config(cfg: Config) -> str:

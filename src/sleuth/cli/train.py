@@ -96,7 +96,7 @@ def run_config(run_dir: str | Path, overrides: list[str] = ()) -> Any:  # -> Con
     if not path.is_file():
         raise UserError(f"{run_dir} is not a sleuth run directory (no config.yaml)")
     announce_user_code(path)
-    return load_config(path, overrides)
+    return load_config(path, overrides, migrate=True)
 
 
 def dry_run(cfg: Any) -> list[str]:
