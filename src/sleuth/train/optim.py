@@ -32,6 +32,60 @@ def lr_factor(step: int, schedule: str, warmup_steps: int, total_steps: int | No
     raise ConfigError(f"trainer.schedule: unknown schedule '{schedule}'")
 
 
+class CompensatedAdamW(torch.optim.AdamW):
+    """AdamW that loses no update to a low-precision (bfloat16) parameter's rounding.
+
+    A bf16 weight w moves only when its update reaches half its spacing, about |w| / 512: with
+    plain AdamW (whose step is about lr for every weight) at lr 3e-5 every weight above ~0.015 in
+    magnitude stays exactly where it is, so a full fine-tune in bf16 silently trains only its small
+    weights. Here a bf16 parameter's update is computed in float32 and added with compensated
+    (Kahan) summation: what the rounding drops is kept in a bf16 buffer (`compensation`, in the
+    optimizer state, so it is checkpointed) and added to the next update. Its moments stay in the
+    parameter's dtype, as torch's AdamW keeps them, so the cost is one bf16 copy of the weights,
+    not the two float32 copies of master weights. Float32 parameters take torch's own AdamW step
+    unchanged."""
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        low = [p for group in self.param_groups for p in group["params"]
+               if p.grad is not None and p.dtype != torch.float32]
+        grads = {p: p.grad for p in low}
+        for p in low:  # torch's AdamW skips a parameter without a gradient
+            p.grad = None
+        super().step()
+        for p in low:
+            p.grad = grads[p]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in grads:
+                    self._compensated_step(p, grads[p], group)
+
+    def _compensated_step(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        state.setdefault("compensation", torch.zeros_like(p))  # absent in a checkpoint of torch's AdamW
+        state["step"] += 1
+        step = float(state["step"])
+        g = grad.float()
+        m = state["exp_avg"].float().mul_(beta1).add_(g, alpha=1 - beta1)
+        v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        state["exp_avg"].copy_(m)
+        state["exp_avg_sq"].copy_(v)
+        denom = (v.sqrt_() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
+        weight = p.float()
+        update = m.div_(denom).mul_(-group["lr"] / (1 - beta1 ** step))
+        if group["weight_decay"]:
+            update.add_(weight, alpha=-group["lr"] * group["weight_decay"])
+        wanted = update.add_(state["compensation"].float())
+        rounded = (weight + wanted).to(p.dtype)
+        state["compensation"].copy_(wanted.sub_(rounded.float() - weight))
+        p.copy_(rounded)
+
+
 def build_optimizer(
     params: list[torch.nn.Parameter], cfg: TrainerConfig, total_steps: int | None
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
@@ -40,7 +94,7 @@ def build_optimizer(
     if cfg.schedule == "cosine" and total_steps is None:
         raise ConfigError("trainer.schedule=cosine needs the total number of steps")
     # foreach=False keeps AdamW's per-parameter temporaries small on CPU.
-    optimizer = torch.optim.AdamW(
+    optimizer = CompensatedAdamW(
         params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, foreach=False
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
