@@ -172,6 +172,8 @@ class VLLMEngine(RolloutEngine):
         from vllm.v1.engine.llm_engine import LLMEngine
 
         self.on_cpu = current_platform.is_cpu()
+        self._by_copy = loaded_by_copy(self._config())
+        """Name parts of the tensors the model's vLLM loader copies directly (read once, not per sync)."""
         args = dict(self._args)
         args.setdefault("use_tqdm_on_load", verbose_requested())  # sleuth prints its own progress
         if self.on_cpu:
@@ -359,7 +361,7 @@ class VLLMEngine(RolloutEngine):
         return self._wait(fut, step)
 
     def _load(self, tensors: list[tuple[str, Any]]) -> None:
-        load_full(self._engine, tensors, self.on_cpu, loaded_by_copy(self._config()))
+        load_full(self._engine, tensors, self.on_cpu, self._by_copy)
         self._reset_prefix_cache()
         self._counts["syncs"] += 1
 
