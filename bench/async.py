@@ -1,8 +1,11 @@
 """Synchronous vs one-step overlap vs fully asynchronous training on long-tailed completions.
 
-    .venv/bin/python bench/async.py [--iterations 12] [--tasks 8] [--max-tokens 192] [--engine hf|vllm] [--smoke]
+    .venv/bin/python bench/async.py [--iterations 12] [--tasks 8] [--max-tokens 192] [--engine hf|vllm]
+        [--rollout-workers N [--cpus-per-worker C]] [--smoke]
 
-Runs the real loop (sleuth.loop.train.train, the rollout engine in process, LoRA) three times
+Runs the real loop (sleuth.loop.train.train, the rollout engine in process, LoRA; with
+--rollout-workers N >= 2, N rollout workers as Ray actors on a local cluster, C CPUs and C torch
+threads each, the trainer in this process) three times
 on the same workload: `loop.max_staleness=0` (synchronous), `loop.max_staleness=1` (batch-level
 overlap, one step off-policy) and `loop.streaming=true` with `loop.max_staleness=2` (groups streamed
 through a buffer, weight updates in flight: between decoding steps in the transformers engine, as
@@ -54,7 +57,9 @@ def run_mode(name: str, extra: list[str], args: argparse.Namespace, root: Path, 
         "rollout.stop=['0','1','2','3','4','5','6','7','8','9']",
         f"loop.iterations={args.iterations}", f"loop.tasks_per_iteration={args.tasks}", "loop.evaluate=false",
         "loop.checkpoint_every=0", "logging.tensorboard=false",
-        *(["rollout.kv_cache_gb=0.1"] if args.engine == "vllm" else []), *extra,
+        *(["rollout.kv_cache_gb=0.1"] if args.engine == "vllm" else []),
+        *([f"cluster.rollout_workers={args.rollout_workers}", f"cluster.cpus_per_worker={args.cpus_per_worker}",
+           "cluster.object_store_gb=1"] if args.rollout_workers > 1 else []), *extra,
     ]
     run_dir = root / name
     start = time.perf_counter()
@@ -85,12 +90,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="rollout.engine (vllm: merged LoRA synced "
                         "as full weights, in flight as partial rollouts)")
+    parser.add_argument("--rollout-workers", type=int, default=1,
+                        help="rollout workers as Ray actors (1: the engine in this process)")
+    parser.add_argument("--cpus-per-worker", type=float, default=1.0, help="cluster.cpus_per_worker")
     add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.rollout_workers < 1 or args.cpus_per_worker <= 0:
+        parser.error("--rollout-workers must be at least 1 and --cpus-per-worker above 0")
     if args.smoke:
         args.iterations, args.tasks, args.samples, args.max_tokens = 3, 2, 2, 16
     print(f"# {cpu_description()}; {args.iterations} iterations x {args.tasks} problems x {args.samples} samples, "
-          f"max {args.max_tokens} tokens, stop at a digit, {args.engine} engine", file=sys.stderr)
+          f"max {args.max_tokens} tokens, stop at a digit, {args.engine} engine"
+          + (f", {args.rollout_workers} Ray rollout workers x {args.cpus_per_worker} CPU"
+             if args.rollout_workers > 1 else ", in process"), file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="sleuth-bench-async-") as tmp:
         root = Path(tmp)
         task = root / "lowercase_task.py"

@@ -19,6 +19,33 @@ from sleuth.testing.tiny_model import write_tiny_model
 # have it from the start too, or they would compute with MKL's other code paths.
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
+RAY_FILES = frozenset({"test_cluster_runtime.py", "test_collective.py", "test_loop_cluster.py",
+                       "test_rollout_pool.py", "test_stream.py", "test_trainer_group.py", "test_bench_smoke.py"})
+"""Test files that start local Ray clusters (test_bench_smoke.py: bench/scale.py; its module fixture
+also starts every selected smoke run, so the file must stay on one worker): under pytest-xdist
+(pyproject's `-n 2 --dist loadgroup`) they run one after another on one worker, so two clusters never
+start at once on a 2-core machine; the other files spread over both workers."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In each xdist worker: one compute thread (torch here, OMP_NUM_THREADS for the runs it starts),
+    so two workers share two cores without oversubscribing them (OpenMP threads that wait on a
+    core another process holds). Before the workers start (in the controlling process only):
+    convert SmolLM2's GGUF into its cached HF folder once, so two workers never write it at once."""
+    if hasattr(config, "workerinput"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+        return
+    from sleuth.system.models import SMOLLM2_ALIAS, resolve_model_path
+    resolve_model_path(SMOLLM2_ALIAS)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in RAY_FILES:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 LOWERCASE_TASK = lowercase_task_source(64, 3)
 """A user task whose verifier rewards the fraction of lowercase letters in a completion: a
 random-init byte-level model earns varied rewards on it from the first iteration, so every

@@ -36,6 +36,7 @@ HEADLINES: dict[str, set[str]] = {
     "agent_packing.py": {"tree_step_speedup", "tree_token_ratio"},
     "block_mask.py": {f"{s}_{k}" for s in ("clue", "aime") for k in ("ref_ms", "layout_ms", "speedup")},
     "constant_answers.py": {"first_heldout", "first_many", "chance_many"},
+    "eval_cost.py": {"prefill_tok_s", "prefill_of_bound", "decode_tok_s", "decode_of_bound", "eval200_s"},
     "fsdp_step.py": {"fsdp2_step_ratio"},
     "gpu_generate.py": {"tps_0_2B_64_dynamic", "tps_0_2B_64_static", "tps_0_6B_8_static", "step_ms_8",
                         "tps_0_6B_64_static", "step_ms_64", "tps_0_6B_256_static", "step_ms_256", "bound_ms_0_6B",

@@ -1,0 +1,141 @@
+"""Where a held-out evaluation's time goes: prefill and decode of the main job's held-out puzzles
+on the vLLM engine, against this CPU's matmul bound.
+
+    .venv/bin/python bench/eval_cost.py [--problems 48] [--model smollm2-135m-instruct] [--smoke]
+
+The held-out puzzles of the `temporal_clue` recipe (its rung, listed choices, deduce prompts), as
+`sleuth eval` sends them: one greedy sample each, the recipe's rollout.kv_cache_gb and max_tokens,
+model.dtype auto. Three timed passes on one engine, after an untimed warm-up on other puzzles:
+
+1. prefill: every prompt with max_tokens=1 (what a held-out evaluation prefills; puzzles share only
+   their opening lines, which the prefix cache serves, its hit rate printed);
+2. decode: the same prompts again with the recipe's max_tokens. Their prompts are now in the prefix
+   cache, so this pass is (almost) decode alone;
+3. the matmul bound: torch's matrix product at the model's MLP shape (rows of 512 tokens) in the
+   engine's dtype, the rate a forward pass made of such products could reach on this CPU.
+
+A prompt token costs ~2 x (parameters outside the embedding) FLOPs plus attention (4 x layers x
+hidden x its position); a decoded token ~2 x all parameters (the output head too) plus the same
+attention. Prints a table and one `name=value` line: prefill and decode tokens/s, their GFLOP/s as a
+fraction of the matmul bound, and the estimated seconds of a 200-puzzle evaluation.
+--smoke: the tiny model, 4 puzzles, 8 new tokens (figures mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from _smoke import add_smoke_flag, tiny_model_folder
+from sleuth.cli.train import recipes
+from sleuth.config import load_config
+from sleuth.records import SamplingParams
+from sleuth.rollout.base import GenerationRequest
+from sleuth.system.hardware import cpu_description, resolve_dtype
+from sleuth.system.models import SMOLLM2_ALIAS, encode_chat, load_tokenizer, model_config, resolve_model_path
+from sleuth.tasks.registry import build_task
+
+WARMUP = 4
+"""Puzzles of the warm-up pass (after the timed ones in the held-out list, so none is cached)."""
+
+
+def matmul_gflops(hidden: int, inner: int, dtype: torch.dtype, seconds: float = 2.0) -> float:
+    """GFLOP/s of [512, hidden] @ [hidden, inner] in dtype, over about `seconds`."""
+    a, b = torch.randn(512, hidden, dtype=dtype), torch.randn(hidden, inner, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    n, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        a @ b
+        n += 1
+    return 2 * 512 * hidden * inner * n / elapsed / 1e9
+
+
+def timed(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[float, int, dict[str, float]]:
+    """Seconds, generated tokens and the engine's counter deltas for one greedy sample per prompt."""
+    before = engine.stats()
+    reqs = [GenerationRequest(p, 1, SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0), f"{tag}{i}")
+            for i, p in enumerate(prompts)]
+    start = time.perf_counter()
+    results = engine.generate_all(reqs)
+    seconds = time.perf_counter() - start
+    after = engine.stats()
+    delta = {k: after[k] - before.get(k, 0.0) for k in ("prefix_hits", "prefix_queries")}
+    return seconds, sum(len(s.token_ids) for r in results for s in r.samples), delta
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--problems", type=int, default=48, help="held-out puzzles timed (at most 196)")
+    ap.add_argument("--model", default=SMOLLM2_ALIAS, help="a model folder, run directory or alias")
+    add_smoke_flag(ap)
+    a = ap.parse_args()
+    if not 1 <= a.problems <= 200 - WARMUP:
+        ap.error(f"--problems must be between 1 and {200 - WARMUP}")
+    cfg = load_config(recipes()["temporal_clue"])
+    max_tokens = cfg.rollout.max_tokens
+    if a.smoke:
+        a.model, a.problems, max_tokens = tiny_model_folder(), 4, 8
+    print(f"# cpu: {cpu_description()}; torch threads {torch.get_num_threads()}", flush=True)
+    folder = str(resolve_model_path(a.model))
+    dtype = resolve_dtype(cfg.model.dtype)
+    problems = build_task(cfg.task).eval_problems()
+    tokenizer = load_tokenizer(folder)
+    prompts = [encode_chat(tokenizer, p.messages) for p in problems[: a.problems + WARMUP]]
+    timed_prompts, warmup = prompts[: a.problems], prompts[a.problems:]
+
+    from sleuth.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(folder, dtype=dtype, seed=0, kv_cache_gb=cfg.rollout.kv_cache_gb, enforce_eager=True)
+    try:
+        timed(engine, warmup, max_tokens, "warm-up ")
+        prefill_s, _, hits = timed(engine, timed_prompts, 1, "prefill ")
+        decode_s, generated, _ = timed(engine, timed_prompts, max_tokens, "decode ")
+    finally:
+        engine.close()
+
+    mc = model_config(Path(folder))
+    hidden, layers, inner = mc.hidden_size, mc.num_hidden_layers, mc.intermediate_size
+    embed = mc.vocab_size * hidden
+    params = sum(p.numel() for p in _meta_model(mc).parameters())
+    body = params - embed * (1 if getattr(mc, "tie_word_embeddings", False) else 2)
+    prompt_tokens = sum(map(len, timed_prompts))
+    mean_len = prompt_tokens / len(timed_prompts)
+    attention = 4 * layers * hidden  # FLOPs per token per position attended
+    prefill_flops = prompt_tokens * (2 * body + attention * mean_len / 2)
+    decode_flops = generated * (2 * (body + embed) + attention * (mean_len + generated / len(timed_prompts) / 2))
+    bound = matmul_gflops(hidden, inner, getattr(torch, dtype))
+    prefill_gflops, decode_gflops = prefill_flops / prefill_s / 1e9, decode_flops / decode_s / 1e9
+    eval200 = (prefill_s + decode_s) * 200 / len(timed_prompts)
+    hit_rate = hits["prefix_hits"] / max(1.0, hits["prefix_queries"])
+    print(f"{a.model} {dtype}, {len(timed_prompts)} held-out puzzles at {cfg.task.temporal_clue.difficulty}, "
+          f"mean prompt {mean_len:.0f} tokens, {generated / len(timed_prompts):.0f} new tokens each (max "
+          f"{max_tokens}), kv cache {cfg.rollout.kv_cache_gb} GiB, load {os.getloadavg()[0]:.1f}")
+    print("| pass | tokens | seconds | tokens/s | GFLOP/s | of the matmul bound | notes |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| prefill | {prompt_tokens} | {prefill_s:.1f} | {prompt_tokens / prefill_s:.0f} | {prefill_gflops:.1f} | "
+          f"{prefill_gflops / bound:.2f} | prefix cache hit rate {hit_rate:.2f} |")
+    print(f"| decode | {generated} | {decode_s:.1f} | {generated / decode_s:.0f} | {decode_gflops:.1f} | "
+          f"{decode_gflops / bound:.2f} | prompts cached |")
+    print(f"| matmul [512, {hidden}] x [{hidden}, {inner}] | | | | {bound:.1f} | 1.00 | torch, {dtype} |")
+    print(f"prefill_tok_s={prompt_tokens / prefill_s:.1f} prefill_of_bound={prefill_gflops / bound:.3f} "
+          f"decode_tok_s={generated / decode_s:.1f} decode_of_bound={decode_gflops / bound:.3f} "
+          f"eval200_s={eval200:.0f}")
+
+
+def _meta_model(mc) -> torch.nn.Module:
+    """The model built on the meta device (parameter count without memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(mc)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # the table alone on stdout
+    sys.exit(main())
