@@ -25,6 +25,7 @@ time / wall, generator idle = 1 - generation time / wall), streaming from its ow
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -125,4 +126,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # the table alone on stdout
     main()
