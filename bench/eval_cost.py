@@ -1,5 +1,5 @@
 """Where a held-out evaluation's time goes: prefill and decode of the main job's held-out puzzles
-on the vLLM engine, against this CPU's matmul bound.
+on the vLLM engine, against this CPU's matmul and memory bounds.
 
     .venv/bin/python bench/eval_cost.py [--problems 48] [--model smollm2-135m-instruct | RUN_DIR] [--kv-cache-gb G] [--smoke]
 
@@ -8,12 +8,13 @@ The held-out puzzles of the `temporal_clue` recipe (its rung, listed choices, de
 model.dtype auto. Three timed passes on one engine, after an untimed warm-up on other puzzles:
 
 1. prefill: every prompt with max_tokens=1 (what a held-out evaluation prefills; puzzles share only
-   their opening lines, which the prefix cache serves, its hit rate printed);
+   their opening lines, which the prefix cache serves only where they fill a whole KV block: its
+   hit rate printed);
 2. decode: the same prompts again with the recipe's max_tokens. Their prompts are now in the prefix
    cache, so this pass is (almost) decode alone;
-3. the bounds: torch's matrix product at the model's MLP shape (rows of 512 tokens) in the
-   engine's dtype, the rate a forward pass made of such products could reach on this CPU; and the
-   memory bandwidth of a 256 MiB tensor copy (bytes read + written per second).
+3. the bounds: a 1024 x 1024 x 1024 matmul in the engine's dtype (the trainer's mfu reference,
+   train.optim.measure_matmul_flops), the rate a forward pass made of matmuls could reach on this
+   CPU; and the memory bandwidth of a 256 MiB tensor copy (bytes read + written per second).
 
 A prompt token costs ~2 x (parameters outside the embedding) FLOPs plus attention (4 x layers x
 hidden x its position); a decoded token ~2 x all parameters (the output head too) plus the same
@@ -43,21 +44,10 @@ from sleuth.rollout.base import GenerationRequest
 from sleuth.system.hardware import cpu_description, resolve_dtype
 from sleuth.system.models import SMOLLM2_ALIAS, encode_chat, load_tokenizer, model_config, resolve_model_path
 from sleuth.tasks.registry import build_task
+from sleuth.train.optim import measure_matmul_flops
 
 WARMUP = 4
 """Puzzles of the warm-up pass (after the timed ones in the held-out list, so none is cached)."""
-
-
-def matmul_gflops(hidden: int, inner: int, dtype: torch.dtype, seconds: float = 2.0) -> float:
-    """GFLOP/s of [512, hidden] @ [hidden, inner] in dtype, over about `seconds`."""
-    a, b = torch.randn(512, hidden, dtype=dtype), torch.randn(hidden, inner, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    n, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        a @ b
-        n += 1
-    return 2 * 512 * hidden * inner * n / elapsed / 1e9
 
 
 def copy_gbs(seconds: float = 2.0) -> float:
@@ -119,7 +109,7 @@ def main() -> None:
         engine.close()
 
     mc = model_config(Path(folder))
-    hidden, layers, inner = mc.hidden_size, mc.num_hidden_layers, mc.intermediate_size
+    hidden, layers = mc.hidden_size, mc.num_hidden_layers
     embed = mc.vocab_size * hidden
     params = sum(p.numel() for p in _meta_model(mc).parameters())
     body = params - embed * (1 if getattr(mc, "tie_word_embeddings", False) else 2)
@@ -131,7 +121,7 @@ def main() -> None:
     head_size = getattr(mc, "head_dim", None) or hidden // mc.num_attention_heads
     kv_per_position = 2 * layers * mc.num_key_value_heads * head_size * torch.finfo(getattr(torch, dtype)).bits // 8
     decode_kv_bytes = generated * kv_per_position * (mean_len + generated / len(timed_prompts) / 2)
-    bound, bandwidth = matmul_gflops(hidden, inner, getattr(torch, dtype)), copy_gbs()
+    bound, bandwidth = measure_matmul_flops(getattr(torch, dtype), "cpu", n=1024) / 1e9, copy_gbs()
     prefill_gflops, decode_gflops = prefill_flops / prefill_s / 1e9, decode_flops / decode_s / 1e9
     decode_gbs = decode_kv_bytes / decode_s / 1e9
     eval200 = (prefill_s + decode_s) * 200 / len(timed_prompts)
@@ -147,8 +137,8 @@ def main() -> None:
     print(f"| decode | {generated} | {decode_s:.1f} | {generated / decode_s:.0f} | {decode_gflops:.1f} | "
           f"{decode_gflops / bound:.2f} | {decode_gbs:.2f} | {decode_gbs / bandwidth:.2f} | prompts cached; "
           f"{kv_per_position / 1024:.0f} KiB of KV cache per position |")
-    print(f"| bounds | | | | {bound:.1f} | 1.00 | {bandwidth:.2f} | 1.00 | matmul [512, {hidden}] x [{hidden}, "
-          f"{inner}] in {dtype}; a 256 MiB copy |")
+    print(f"| bounds | | | | {bound:.1f} | 1.00 | {bandwidth:.2f} | 1.00 | a 1024 x 1024 x 1024 matmul in {dtype} "
+          f"(train.optim.measure_matmul_flops, as the trainer's mfu); a 256 MiB copy |")
     print(f"prefill_tok_s={prompt_tokens / prefill_s:.1f} prefill_of_bound={prefill_gflops / bound:.3f} "
           f"decode_tok_s={generated / decode_s:.1f} decode_of_bound={decode_gbs / bandwidth:.3f} "
           f"eval200_s={eval200:.0f}")
