@@ -135,3 +135,15 @@ def test_a_smoke_run_that_fails_fails_the_test(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="not a name=value line"):
         last_line_values("table\nspeedup=1.2 done\n")
     assert last_line_values("| a |\nx=1 y=nan\n") == {"x": "1", "y": "nan"}
+
+
+@pytest.mark.parametrize(("script", "args"), [
+    ("eval_cost.py", ["--problems", "0"]), ("eval_cost.py", ["--kv-cache-gb", "-1"]),
+    ("async.py", ["--rollout-workers", "0"]), ("async.py", ["--cpus-per-worker", "0"]),
+])
+def test_bad_flags_exit_2_with_one_line(script: str, args: list[str], tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"{script}: error: ")
