@@ -69,12 +69,13 @@ def main() -> None:
         n_samples = sum(1 for _ in (run / "samples.jsonl").open())
         size_mb = sum(f.stat().st_size for f in run.iterdir()) / 1e6
 
-        from sleuth.eval.report import load_run, render_html, run_plots
+        from sleuth.eval.plots import run_plots
+        from sleuth.eval.report import load_run, render_html
 
         t0 = time.perf_counter()
         data = load_run(run)
         t1 = time.perf_counter()
-        plots, fit = run_plots(data)
+        plots, fit = run_plots(data.metrics)
         t2 = time.perf_counter()
         render_html("bench", data, plots, fit, [], 40)
         t3 = time.perf_counter()

@@ -16,15 +16,8 @@ import pytest
 
 from sleuth.cli import main
 from sleuth.config import Config, LoggingConfig, dump_config
-from sleuth.eval.report import (
-    fit_power_law,
-    load_eval_summaries,
-    load_run,
-    pareto_frontier,
-    reward_against_minutes,
-    select_samples,
-    write_report,
-)
+from sleuth.eval.plots import fit_power_law, pareto_frontier, reward_against_minutes
+from sleuth.eval.report import load_eval_summaries, load_run, select_samples, write_report
 from sleuth.run.metrics import MetricsWriter, upgrade_row
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -66,7 +59,7 @@ def test_fit_power_law_recovers_exponent_and_ignores_nonpositive_points() -> Non
 
 
 def test_power_law_fit_stops_at_the_best_validation_point() -> None:
-    from sleuth.eval.report import plot_power_law
+    from sleuth.eval.plots import plot_power_law
 
     rows = [{"iteration": it, "val/reward": 0.1 * it**0.5} for it in (1, 2, 4, 8, 16)]
     rows += [{"iteration": 32, "val/reward": 0.2}, {"iteration": 64, "val/reward": 0.1}]  # decline
@@ -182,7 +175,7 @@ def test_eval_summaries_give_a_cost_accuracy_plot(tmp_path: Path) -> None:
     assert "<td>trained</td>" in page and page.count("data:image/png;base64,") == 1
     # Zero prices (the default): tokens per problem stand in for cost.
     _summary(evals / "base-k4", "smollm2-135m-instruct", 0.2, 0.0, 1200)
-    from sleuth.eval.report import plot_eval_frontier
+    from sleuth.eval.plots import plot_eval_frontier
 
     plot, why = plot_eval_frontier(load_eval_summaries([evals]))
     assert plot is not None and why == "" and plot.png.startswith(PNG_MAGIC)
@@ -290,7 +283,8 @@ def test_deeply_nested_lines_and_summaries_never_end_the_report(tmp_path: Path, 
 def test_per_kind_accuracy_is_a_curve_over_the_run(tmp_path: Path) -> None:
     """val/kind/KIND from every held-out evaluation (before, every few iterations, after) becomes
     one line per kind, in the who / weapon / where / when / why / bonus order."""
-    from sleuth.eval.report import load_run, plot_kinds
+    from sleuth.eval.plots import plot_kinds
+    from sleuth.eval.report import load_run
 
     run = tmp_path / "run"
     with MetricsWriter(run, LoggingConfig(tensorboard=False)) as w:
