@@ -92,4 +92,5 @@ def test_time_spent_before_the_loop_counts_against_the_budget(tiny_model_dir, lo
     args = [*overrides(tiny_model_dir, lowercase_task, iterations=3), "loop.time_budget_min=1"]
     result = train(load_config(None, args), tmp_path / "run", out=out, elapsed_before_s=61.0)
     assert result.iterations_done == 0
-    assert "reached iteration 0 of 3 in 1.0 minutes of the 1-minute budget" in out.getvalue()
+    assert "reached iteration 0 of 3 in 1.0 minutes of the 1-minute budget: no iteration fitted" in out.getvalue()
+    assert "raise loop.time_budget_min" in out.getvalue()  # what to change, on the same line

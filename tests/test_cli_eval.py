@@ -64,6 +64,7 @@ def test_eval_model_folder(files, tmp_path, capsys):
     assert summary["tokens_per_problem"] > 3 * summary["mean_completion_tokens"]  # prompts count too
     assert last == f"avg@3={summary['avg']:.4f} pass@3={summary['pass_k']:.4f} maj@3={summary['maj']:.4f}"
     assert summary["constant"] is None and "best constant answer" not in stdout  # this task has none
+    assert summary["constant_margin"] is None
     assert f"avg@3     {summary['avg']:.4f} ± {summary['avg_se']:.4f}".split() == \
         next(line for line in stdout.splitlines() if line.startswith("avg@3 ")).split()
 
@@ -77,7 +78,7 @@ def test_eval_prints_the_best_constant_answer_of_temporal_clue(files, tmp_path, 
     """End to end: on a task with constant answers the table and summary.json give the best one's
     mean reward next to the chance level: what a policy that ignores the puzzles would score."""
     from sleuth.cli.train import config_source
-    from sleuth.eval.stats import constant_level
+    from sleuth.eval.stats import constant_level, constant_margin
     from sleuth.tasks.registry import build_task
 
     tiny, _ = files
@@ -93,6 +94,12 @@ def test_eval_prints_the_best_constant_answer_of_temporal_clue(files, tmp_path, 
     assert want is not None and summary["constant"] == pytest.approx(want)
     assert summary["chance"] < summary["constant"] <= 1.0
     assert f"best constant answer    {want:.4f}".split() in [line.split() for line in stdout.splitlines()]
+    # and the policy against that answer, paired per puzzle, as `sleuth train` prints it
+    name, diff, se = constant_margin(task, task.eval_problems()[:3], summary["per_problem"])
+    assert summary["constant_margin"] == {"answer": name, "difference": pytest.approx(diff),
+                                          "difference_se": pytest.approx(se)}
+    line = f"against the best constant answer ({name}): {diff:+.3f} ± {se:.3f}"
+    assert any(row.startswith(line) and row.endswith("SE, paired)") for row in stdout.splitlines())
 
 
 def test_eval_prints_kinds_difficulty_and_paired_diagnostics(files, tmp_path, capsys):

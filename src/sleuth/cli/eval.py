@@ -75,6 +75,7 @@ def model_folder(model: str, cfg: Any, scratch: Path) -> Path:
 def run(args: argparse.Namespace) -> int:
     from sleuth.cli.train import keep_stdout_for_results
     from sleuth.eval.evaluate import eval_sampling, evaluate, evaluate_episodes
+    from sleuth.eval.stats import constant_margin
     from sleuth.gateway.runner import EpisodeRunner
     from sleuth.loop.checks import check_names
     from sleuth.rewards.verifier import VerifierRunner
@@ -142,6 +143,9 @@ def run(args: argparse.Namespace) -> int:
     )
     summary[f"avg@{k}"], summary[f"pass@{k}"], summary[f"maj@{k}"] = result.avg, result.pass_k, result.maj
     summary["diagnostics"] = _diagnostic_summaries(result, diagnostics)
+    margin = None if episodes else constant_margin(task, problems, result.per_problem)
+    summary["constant_margin"] = None if margin is None else {
+        "answer": margin[0], "difference": margin[1], "difference_se": margin[2]}
     if result.warning:
         print(f"sleuth: warning: {result.warning}", file=sys.stderr)
     with fsio.atomic_file(out / "samples.jsonl") as f:
@@ -149,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
             f.write(json.dumps(json_safe(rec), allow_nan=False) + "\n")
     fsio.write_text(out / "summary.json", json.dumps(json_safe(summary), indent=1, allow_nan=False))
     _print_table(summary, k, out)
-    _print_kinds_and_diagnostics(summary, k)
+    _print_kinds_and_diagnostics(summary, k, margin)
     print(f"avg@{k}={result.avg:.4f} pass@{k}={result.pass_k:.4f} maj@{k}={result.maj:.4f}")
     return 0
 
@@ -202,10 +206,12 @@ def _diagnostic_variants(args: argparse.Namespace, task: Any, problems: list[Any
     return {name: make(name, problems, seed) for name in wanted} if make else {}
 
 
-def _print_kinds_and_diagnostics(summary: dict[str, Any], k: int) -> None:
-    from sleuth.eval.evaluate import kind_lines
+def _print_kinds_and_diagnostics(summary: dict[str, Any], k: int, margin: tuple[str, float, float] | None) -> None:
+    from sleuth.eval.evaluate import constant_margin_line, kind_lines
 
     for line in kind_lines(summary.get("per_kind") or {}):
+        print(line)
+    if (line := constant_margin_line(margin)) is not None:
         print(line)
     for name, d in summary["diagnostics"].items():
         print(f"{DIAGNOSTIC_TITLES[name]}: avg@{k} {d['avg']:.4f} ± {d['avg_se']:.4f}, paired difference "

@@ -137,6 +137,16 @@ def kind_lines(before: dict[str, dict[str, float]], after: dict[str, dict[str, f
     return lines
 
 
+def constant_margin_line(margin: tuple[str, float, float] | None) -> str | None:
+    """stats.constant_margin's (answer, difference, se) as the line `sleuth train` and `sleuth eval`
+    print; None when the task has no constant answers."""
+    if margin is None:
+        return None
+    name, diff, se = margin
+    return (f"against the best constant answer ({name}): {diff:+.3f} ± {se:.3f} "
+            f"({diff / se if se else 0.0:+.1f} SE, paired)")
+
+
 def paired_difference(base: EvalResult, other: EvalResult) -> tuple[float, float]:
     """Mean per-problem difference other - base over the same problems, with its standard error."""
     return mean_se([b - a for a, b in zip(base.per_problem, other.per_problem, strict=True)])

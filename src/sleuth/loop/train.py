@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, Any, TextIO
 import torch
 
 from sleuth.config import Config, dump_config
-from sleuth.eval.evaluate import EvalResult, eval_sampling, evaluate, evaluate_episodes, kind_lines
+from sleuth.eval.evaluate import (
+    EvalResult,
+    constant_margin_line,
+    eval_sampling,
+    evaluate,
+    evaluate_episodes,
+    kind_lines,
+)
 from sleuth.eval.stats import constant_margin, mean_se
 from sleuth.gateway.runner import EpisodeRunner
 from sleuth.loop.batch import Sampler
@@ -456,7 +463,11 @@ def _summary_line(it: int, total: int, m: dict[str, Any]) -> str:
 
 def _budget_text(done: int, total: int, budget: TimeBudget) -> str:
     limit = "" if budget.limit_s is None else f" of the {budget.limit_s / 60:.4g}-minute budget"
-    return f"reached iteration {done} of {total} in {budget.elapsed_s() / 60:.1f} minutes{limit}"
+    text = f"reached iteration {done} of {total} in {budget.elapsed_s() / 60:.1f} minutes{limit}"
+    if budget.limit_s is not None and done == 0 and total > 0:  # e.g. a slow CPU: evaluations ate the budget
+        text += (f": no iteration fitted beside the {budget.reserve_s / 60:.1f} minutes kept for the last "
+                 "evaluation; raise loop.time_budget_min")
+    return text
 
 
 def _val_text(val: EvalResult) -> str:
@@ -474,12 +485,8 @@ def _val_text_dict(v: dict[str, Any]) -> str:
 def _final_checks(run: Run, after: dict[str, Any], ablated: dict[str, Any] | None) -> list[str]:
     """The trained policy against the best constant answer and, with eval.ablate_clues, against
     itself without the clues: both paired per problem, in standard errors."""
-    lines = []
-    margin = constant_margin(run.task, run.eval_problems, after["per_problem"])
-    if margin is not None:
-        name, diff, se = margin
-        lines.append(f"against the best constant answer ({name}): {diff:+.3f} ± {se:.3f} "
-                     f"({diff / se if se else 0.0:+.1f} SE, paired)")
+    margin = constant_margin_line(constant_margin(run.task, run.eval_problems, after["per_problem"]))
+    lines = [margin] if margin else []
     if ablated is not None:
         diff, se = mean_se([b - a for a, b in zip(after["per_problem"], ablated["per_problem"], strict=True)])
         lines.append(f"clues removed: {ablated['avg']:.3f} ± {ablated['avg_se']:.3f}, paired difference "
