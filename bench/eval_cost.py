@@ -29,6 +29,7 @@ fraction of the copy bandwidth, and the estimated seconds of a 200-puzzle evalua
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -83,8 +84,8 @@ def main() -> None:
     a = ap.parse_args()
     if not 1 <= a.problems <= 200 - WARMUP:
         ap.error(f"--problems must be between 1 and {200 - WARMUP}")
-    if a.kv_cache_gb is not None and a.kv_cache_gb <= 0:
-        ap.error("--kv-cache-gb must be above 0")
+    if a.kv_cache_gb is not None and not (a.kv_cache_gb > 0 and math.isfinite(a.kv_cache_gb)):
+        ap.error("--kv-cache-gb must be a finite number above 0")
     cfg = load_config(recipes()["temporal_clue"],
                       [] if a.kv_cache_gb is None else [f"rollout.kv_cache_gb={a.kv_cache_gb}"])
     max_tokens = cfg.rollout.max_tokens
@@ -117,10 +118,11 @@ def main() -> None:
     mean_len = prompt_tokens / len(timed_prompts)
     attention = 4 * layers * hidden  # FLOPs per token per position attended
     prefill_flops = prompt_tokens * (2 * body + attention * mean_len / 2)
-    decode_flops = generated * (2 * (body + embed) + attention * (mean_len + generated / len(timed_prompts) / 2))
+    decode_context = mean_len + generated / len(timed_prompts) / 2  # mean positions a decoded token attends
+    decode_flops = generated * (2 * (body + embed) + attention * decode_context)
     head_size = getattr(mc, "head_dim", None) or hidden // mc.num_attention_heads
     kv_per_position = 2 * layers * mc.num_key_value_heads * head_size * torch.finfo(getattr(torch, dtype)).bits // 8
-    decode_kv_bytes = generated * kv_per_position * (mean_len + generated / len(timed_prompts) / 2)
+    decode_kv_bytes = generated * kv_per_position * decode_context
     bound, bandwidth = measure_matmul_flops(getattr(torch, dtype), "cpu", n=1024) / 1e9, copy_gbs()
     prefill_gflops, decode_gflops = prefill_flops / prefill_s / 1e9, decode_flops / decode_s / 1e9
     decode_gbs = decode_kv_bytes / decode_s / 1e9

@@ -138,7 +138,7 @@ def test_a_smoke_run_that_fails_fails_the_test(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("script", "args"), [
-    ("eval_cost.py", ["--problems", "0"]), ("eval_cost.py", ["--kv-cache-gb", "-1"]),
+    ("eval_cost.py", ["--problems", "0"]), ("eval_cost.py", ["--kv-cache-gb", "-1"]), ("eval_cost.py", ["--kv-cache-gb", "nan"]),
     ("async.py", ["--rollout-workers", "0"]), ("async.py", ["--cpus-per-worker", "0"]),
 ])
 def test_bad_flags_exit_2_with_one_line(script: str, args: list[str], tmp_path: Path) -> None:
