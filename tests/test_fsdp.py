@@ -3,6 +3,7 @@ checkpoints move between 2 ranks and 1 plain process."""
 
 from __future__ import annotations
 
+import gc
 import pickle
 import socket
 from pathlib import Path
@@ -82,6 +83,11 @@ def _rank_main(rank: int, port: int, out: str, plain_ckpt: str) -> None:
     results["loaded"] = {"weights": model_sd, "optimizer": optim_sd.get("state")}  # rank 0's only
     if rank == 0:
         torch.save(results, Path(out) / "rank0.pt")
+    # Both ranks leave together: a rank that tears gloo down while its peer still has work in
+    # flight can abort in C++ ("terminate called without an active exception"; seen once in CI).
+    torch.distributed.barrier()
+    del policy, trainer, results, model_sd, optim_sd
+    gc.collect()  # FSDP's cycles hold gloo work objects; free them while the interpreter is whole
     torch.distributed.destroy_process_group()
 
 
