@@ -11,7 +11,8 @@ import time
 import pytest
 
 from sleuth.cluster.runtime import ClusterError, Node, WorkerSpec, place, worker_specs
-from sleuth.config import ClusterConfig, load_config
+from sleuth.cluster_config import ClusterConfig
+from sleuth.config import load_config
 from sleuth.errors import ConfigError
 
 

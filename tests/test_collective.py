@@ -106,7 +106,8 @@ ray = pytest.importorskip("ray")
 def pool_policy_local(tiny_model_dir):
     from sleuth.cluster.rollout_pool import RolloutPool
     from sleuth.cluster.runtime import WorkerSpec, connect
-    from sleuth.config import ClusterConfig, LoraConfig, ModelConfig, RolloutConfig
+    from sleuth.cluster_config import ClusterConfig
+    from sleuth.config import LoraConfig, ModelConfig, RolloutConfig
     from sleuth.rollout.factory import make_engine
     from sleuth.train.policy import Policy
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import sleuth
 
 SRC = Path(sleuth.__file__).parent
-CORE = {"records", "config", "section", "task_config", "errors", "plugins", "__init__", "__main__", "__version__"}
+CORE = {"records", "config", "section", "task_config", "cluster_config", "errors", "plugins", "__init__", "__main__", "__version__"}
 """Flat modules every stage may use: shared types, the config schema, errors, the registry type."""
 ORDER = ["core", "system", "tasks", "rollout", "gateway", "rewards", "train", "run", "eval", "cluster",
          "loop", "testing", "cli"]

@@ -336,13 +336,13 @@ def test_rung_curriculum_fades_and_prints_kinds_and_the_held_out_difficulty(tiny
 
 
 def test_held_out_line_names_the_chance_level_and_the_best_constant_answer():
-    from sleuth.loop.train import _val_text_dict
+    from sleuth.loop.summary import val_text
 
     v = {"avg": 0.4513, "avg_se": 0.0621, "k": 4, "problems": 16, "chance": 0.3968, "constant": 0.4926}
-    assert _val_text_dict(v) == "0.451 ± 0.062 (avg@4 over 16 problems; chance 0.397, best constant answer 0.493)"
-    assert _val_text_dict(v | {"constant": None}) == "0.451 ± 0.062 (avg@4 over 16 problems; chance 0.397)"
-    assert _val_text_dict(v | {"chance": None, "constant": None}).endswith("; chance unknown)")
-    assert _val_text_dict(v | {"difficulty": "elim1"}).startswith("0.451 ± 0.062 (avg@4 over 16 problems at difficulty elim1; ")
+    assert val_text(v) == "0.451 ± 0.062 (avg@4 over 16 problems; chance 0.397, best constant answer 0.493)"
+    assert val_text(v | {"constant": None}) == "0.451 ± 0.062 (avg@4 over 16 problems; chance 0.397)"
+    assert val_text(v | {"chance": None, "constant": None}).endswith("; chance unknown)")
+    assert val_text(v | {"difficulty": "elim1"}).startswith("0.451 ± 0.062 (avg@4 over 16 problems at difficulty elim1; ")
 
 
 @pytest.mark.slow

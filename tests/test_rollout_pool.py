@@ -11,7 +11,8 @@ import torch
 
 from sleuth.cluster.rollout_pool import RolloutPool, WeightSyncTimeoutError
 from sleuth.cluster.runtime import WorkerSpec, connect
-from sleuth.config import ClusterConfig, RolloutConfig
+from sleuth.cluster_config import ClusterConfig
+from sleuth.config import RolloutConfig
 from sleuth.records import LoraAdapter, SamplingParams
 from sleuth.rollout.base import GenerationRequest
 from sleuth.rollout.factory import make_engine

@@ -117,7 +117,8 @@ def test_rank0_broadcasts_full_weights_to_a_rollout_worker(local_ray, tmp_path: 
     from sleuth.cluster.collective import CollectiveTransport
     from sleuth.cluster.rollout_pool import RolloutPool
     from sleuth.cluster.runtime import WorkerSpec
-    from sleuth.config import ClusterConfig, RolloutConfig
+    from sleuth.cluster_config import ClusterConfig
+    from sleuth.config import RolloutConfig
     from sleuth.records import SamplingParams
     from sleuth.rollout.base import GenerationRequest
     from sleuth.rollout.factory import make_engine

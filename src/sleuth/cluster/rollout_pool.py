@@ -30,7 +30,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from sleuth.cluster.runtime import Assignment, ClusterError, WorkerSpec
-from sleuth.config import ClusterConfig, Config, RolloutConfig
+from sleuth.cluster_config import ClusterConfig
+from sleuth.config import Config, RolloutConfig
 from sleuth.records import LoraAdapter
 from sleuth.rollout.base import GenerationRequest, GenerationResult, RolloutEngine
 from sleuth.rollout.sync import Bucket, RayTransport, unpack

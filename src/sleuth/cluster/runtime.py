@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sleuth.config import ClusterConfig
+from sleuth.cluster_config import ClusterConfig
 from sleuth.errors import UserError
 
 GiB = 1024**3

@@ -22,20 +22,19 @@ import torch
 from sleuth.config import Config, dump_config
 from sleuth.eval.evaluate import (
     EvalResult,
-    constant_margin_line,
     eval_sampling,
     evaluate,
     evaluate_episodes,
     kind_lines,
 )
-from sleuth.eval.stats import constant_margin, mean_se
 from sleuth.gateway.runner import EpisodeRunner
-from sleuth.loop.batch import Sampler
+from sleuth.loop.batch import Batch, Sampler
 from sleuth.loop.budget import FINAL_EVAL_MARGIN, TimeBudget
 from sleuth.loop.checks import check_run, check_sections
 from sleuth.loop.queue import RolloutQueue, drop_stale
 from sleuth.loop.sft import SftResult, warm_start
 from sleuth.loop.stream import GroupStream
+from sleuth.loop.summary import budget_text, print_final, summary_line, val_text
 from sleuth.records import Group, Problem, SamplingParams
 from sleuth.rewards.verifier import VerifierRunner
 from sleuth.rollout.base import RolloutEngine
@@ -234,13 +233,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO | None =
     progress = progress or Progress()
     curriculum = Curriculum(parse_schedule(cfg.task.temporal_clue.difficulty), run.state.get("curriculum_stage", 0),
                             fade=cfg.task.temporal_clue.curriculum_fade, since=run.state.get("curriculum_since", 0))
-    sampler = Sampler(cfg, run.policy.tokenizer, run.engine, run.verifier, run.task_for_level, progress,
-                      run.episodes)
-    position = run.state.get("data_position", run.start_iteration * L.tasks_per_iteration)
-    queue: RolloutQueue | GroupStream = (  # streaming: groups generated continuously (loop/stream.py)
-        GroupStream(sampler, L, position, run.start_iteration, run.state.get("stream_pending")) if L.streaming
-        else RolloutQueue(sampler, L.max_staleness, version=run.start_iteration, position=position))
-    run.state.setdefault("data_position", queue.position)
+    queue = _make_queue(run, progress)
     if cfg.model.dtype == "auto":
         print(f"model dtype: auto -> {run.dtype}", file=out, flush=True)
     done, finished = run.start_iteration, False
@@ -248,14 +241,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO | None =
     try:
         with InterruptFlag() as interrupt, progress:
             if run.start_iteration == 0 and run.eval_problems and "val_before" not in run.state:
-                before = queue.run(_evaluate, run, 0, progress, budget)
-                run.state["val_before"] = before.summary() | {"per_problem": before.per_problem}
-                # kept for the last evaluation (and, with eval.ablate_clues, its clue-free repeat)
-                budget.reserve_s = FINAL_EVAL_MARGIN * before.time_s * (2 if cfg.eval.ablate_clues else 1)
-                when = "at the start of RL (after the warm start)" if cfg.sft.warm_start else "before training"
-                print(f"held-out reward {when}: {_val_text(before)}", file=out, flush=True)
-                for line in kind_lines(before.per_kind):
-                    print(line, file=out, flush=True)
+                _evaluate_before(run, queue, progress, budget, out)
             bar = progress.bar("iterations", total=L.iterations, completed=run.start_iteration)
             for it in range(run.start_iteration + 1, L.iterations + 1):
                 if not budget.allows_next():  # only after a resume whose budget was already spent
@@ -263,16 +249,10 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO | None =
                 t_iter = time.perf_counter()  # time/iteration_s: every step, logging excluded
                 seed_everything(L.seed, it, L.deterministic)
 
-                # 1-4. The batch (sampling.py): draw problems at the data position, generate (or run
+                # 1-4. The batch (loop/batch.py): draw problems at the data position, generate (or run
                 #      episodes), score (+ over-length penalty), group advantages, drop zero-advantage
                 #      groups; with DAPO dynamic sampling, more rounds until the batch is full.
-                batch = queue.take(it, curriculum.level_for(it, L.seed))
-                for ahead in range(it + 1, min(it + L.max_staleness, L.iterations) + 1):
-                    if budget.allows_next(ahead=ahead - it):  # overlap: generate while this one trains
-                        queue.prefetch(ahead, curriculum.level_for(ahead, L.seed))
-                batch, stale = drop_stale(batch, trainer_version=it - 1, max_staleness=L.max_staleness)
-                metrics: dict[str, Any] = batch.metrics | {"rollout/stale_dropped": float(stale),
-                                                           "rollout/positions": list(batch.positions)}
+                batch, metrics = _take_batch(run, queue, curriculum, budget, it)
                 if interrupt.requested:
                     break
 
@@ -289,35 +269,21 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO | None =
                 #    generation under way; then the curriculum moves on if this batch earned it.
                 metrics.update(queue.sync(run.sync, version=it, changed=bool(batch.groups)))
                 if run.cluster is not None:  # restarted rollout workers so far (each re-synced)
-                    pool_stats = run.engine.stats()
-                    metrics["rollout/worker_restarts"] = pool_stats.get("worker_restarts", 0.0)
-                    metrics["sync/broadcast_fallbacks"] = pool_stats.get("broadcast_fallbacks", 0.0)
-                # Only a batch at the current level counts (a fading older level's never does).
-                batch_level = int(batch.metrics.get("rollout/difficulty", curriculum.level))
-                if curriculum.update(batch.reward_mean, it, batch_level):
-                    print(f"curriculum: reward {batch.reward_mean:.3f} -> difficulty {level_name(curriculum.level)}",
-                          file=out, flush=True)
-                run.state["curriculum_stage"], run.state["curriculum_since"] = curriculum.index, curriculum.since
+                    metrics.update(_pool_metrics(run.engine.stats()))
+                _climb(run, curriculum, batch, it, out)
 
                 # 7. Evaluate on schedule and after the last iteration (the budget's or the config's).
                 budget.record(time.perf_counter() - t_iter)
                 last = it == L.iterations or not budget.allows_next()
                 val = None
                 if run.eval_problems and ((L.eval_every and it % L.eval_every == 0) or last):
-                    val = queue.run(_evaluate, run, it, progress)
-                    metrics.update(_val_metrics(val))
-                    run.state["val_last"] = val.summary() | {"per_problem": val.per_problem}
-                    if last and cfg.eval.ablate_clues:  # the same problems without their clues, paired
-                        ablated = queue.run(_evaluate, run, it, progress, None, "ablate_clues")
-                        run.state["val_ablated"] = ablated.summary()
-                        metrics.update(prefixed("val/ablate_clues", {"reward": ablated.avg,
-                                                                       "reward_se": ablated.avg_se}))
+                    val = _evaluate_on_schedule(run, queue, it, last, progress, metrics)
 
                 # 8. Log, and checkpoint on schedule, at the end, or when interrupted.
                 metrics["time/iteration_s"] = time.perf_counter() - t_iter
                 metrics["time/elapsed_min"] = budget.elapsed_s() / 60
                 run.writer.log(it, metrics)
-                print(_summary_line(it, L.iterations, metrics), file=out, flush=True)
+                print(summary_line(it, L.iterations, metrics), file=out, flush=True)
                 done = it
                 progress.advance(bar)
                 if (L.checkpoint_every and it % L.checkpoint_every == 0) or last or interrupt.requested:
@@ -336,27 +302,102 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, out: TextIO | None =
             _export_final(run)
     finally:
         queue.close()
-        run.writer.close()
-        run.verifier.close()
-        run.engine.close()
-        if run.cluster is not None:
-            if not isinstance(run.trainer, Trainer):  # a TrainerGroup: stop the FSDP2 ranks' actors
-                run.trainer.close()
-            run.cluster.shutdown()
-    print(_budget_text(done, L.iterations, budget), file=out, flush=True)
+        _close(run)
+    print(budget_text(done, L.iterations, budget), file=out, flush=True)
     before, after = run.state.get("val_before"), run.state.get("val_last")
     if finished and before and after:
-        print(f"held-out reward after training:  {_val_text_dict(after)}", file=out)
-        for line in kind_lines(before.get("per_kind") or {}, after.get("per_kind") or {}):
-            print(line, file=out)
-        print(_gain_text(before, after), file=out, flush=True)
-        for line in _final_checks(run, after, run.state.get("val_ablated")):
-            print(line, file=out, flush=True)
+        print_final(run.task, run.eval_problems, run.state, out)
     return RunResult(run_dir, done, interrupted, before, after if finished else None,
                      stop_signal if interrupted else 0)
 
 
 # ---------------------------------------------------------------- the steps' details
+
+
+def _take_batch(run: Run, queue: RolloutQueue | GroupStream, curriculum: Curriculum, budget: TimeBudget,
+                it: int) -> tuple[Batch, dict[str, Any]]:
+    """Steps 1-4: iteration `it`'s batch at the curriculum's level; the next iterations' batches
+    started ahead (overlap, as far as loop.max_staleness and the budget allow); groups generated
+    by weights older than the bound dropped."""
+    L = run.cfg.loop
+    batch = queue.take(it, curriculum.level_for(it, L.seed))
+    for ahead in range(it + 1, min(it + L.max_staleness, L.iterations) + 1):
+        if budget.allows_next(ahead=ahead - it):  # overlap: generate while this one trains
+            queue.prefetch(ahead, curriculum.level_for(ahead, L.seed))
+    batch, stale = drop_stale(batch, trainer_version=it - 1, max_staleness=L.max_staleness)
+    metrics: dict[str, Any] = batch.metrics | {"rollout/stale_dropped": float(stale),
+                                               "rollout/positions": list(batch.positions)}
+    return batch, metrics
+
+
+def _pool_metrics(stats: dict[str, float]) -> dict[str, float]:
+    """Ray rollout workers restarted so far (each re-synced) and broadcasts that fell back."""
+    return {"rollout/worker_restarts": stats.get("worker_restarts", 0.0),
+            "sync/broadcast_fallbacks": stats.get("broadcast_fallbacks", 0.0)}
+
+
+def _climb(run: Run, curriculum: Curriculum, batch: Batch, it: int, out: TextIO) -> None:
+    """The curriculum moves on if this batch earned it; only a batch at the current level counts
+    (a fading older level's never does). Its position goes into the run's state."""
+    batch_level = int(batch.metrics.get("rollout/difficulty", curriculum.level))
+    if curriculum.update(batch.reward_mean, it, batch_level):
+        print(f"curriculum: reward {batch.reward_mean:.3f} -> difficulty {level_name(curriculum.level)}",
+              file=out, flush=True)
+    run.state["curriculum_stage"], run.state["curriculum_since"] = curriculum.index, curriculum.since
+
+
+def _make_queue(run: Run, progress: Progress) -> RolloutQueue | GroupStream:
+    """Where batches come from: a queue of iterations (with overlap up to loop.max_staleness) or,
+    with loop.streaming, groups generated continuously (loop/stream.py); both resume at the data
+    position the last checkpoint recorded."""
+    L = run.cfg.loop
+    sampler = Sampler(run.cfg, run.policy.tokenizer, run.engine, run.verifier, run.task_for_level, progress,
+                      run.episodes)
+    position = run.state.get("data_position", run.start_iteration * L.tasks_per_iteration)
+    queue: RolloutQueue | GroupStream = (
+        GroupStream(sampler, L, position, run.start_iteration, run.state.get("stream_pending")) if L.streaming
+        else RolloutQueue(sampler, L.max_staleness, version=run.start_iteration, position=position))
+    run.state.setdefault("data_position", queue.position)
+    return queue
+
+
+def _evaluate_before(run: Run, queue: RolloutQueue | GroupStream, progress: Progress, budget: TimeBudget,
+                     out: TextIO) -> None:
+    """The held-out reward before the first iteration; the budget keeps time for the last one."""
+    cfg = run.cfg
+    before = queue.run(_evaluate, run, 0, progress, budget)
+    run.state["val_before"] = before.summary() | {"per_problem": before.per_problem}
+    # kept for the last evaluation (and, with eval.ablate_clues, its clue-free repeat)
+    budget.reserve_s = FINAL_EVAL_MARGIN * before.time_s * (2 if cfg.eval.ablate_clues else 1)
+    when = "at the start of RL (after the warm start)" if cfg.sft.warm_start else "before training"
+    print(f"held-out reward {when}: {val_text(before.summary())}", file=out, flush=True)
+    for line in kind_lines(before.per_kind):
+        print(line, file=out, flush=True)
+
+
+def _evaluate_on_schedule(run: Run, queue: RolloutQueue | GroupStream, it: int, last: bool, progress: Progress,
+                          metrics: dict[str, Any]) -> EvalResult:
+    """Step 7: the held-out evaluation into `metrics` and the run's state; after the last iteration,
+    with eval.ablate_clues, the same problems again without their clues (paired)."""
+    val = queue.run(_evaluate, run, it, progress)
+    metrics.update(_val_metrics(val))
+    run.state["val_last"] = val.summary() | {"per_problem": val.per_problem}
+    if last and run.cfg.eval.ablate_clues:
+        ablated = queue.run(_evaluate, run, it, progress, None, "ablate_clues")
+        run.state["val_ablated"] = ablated.summary()
+        metrics.update(prefixed("val/ablate_clues", {"reward": ablated.avg, "reward_se": ablated.avg_se}))
+    return val
+
+
+def _close(run: Run) -> None:
+    """Stop what the run started: writers, the verifier pool, the engine, and on Ray the workers."""
+    run.writer.close()
+    run.verifier.close()
+    run.engine.close()
+    if run.cluster is not None:
+        if not isinstance(run.trainer, Trainer):  # a TrainerGroup: stop the FSDP2 ranks' actors
+            run.trainer.close()
+        run.cluster.shutdown()
 
 
 def _train_step(run: Run, groups: list[Group], progress: Progress) -> dict[str, float]:
@@ -446,56 +487,3 @@ def _export_final(run: Run) -> None:
     """RUN_DIR/model: the trained weights merged into a plain HF folder (what `--model RUN_DIR` loads)."""
     with fsio.atomic_folder(run.run_dir / "model") as tmp:
         run.policy.export_merged(tmp)
-
-
-# ---------------------------------------------------------------- printing
-
-
-def _summary_line(it: int, total: int, m: dict[str, Any]) -> str:
-    val = f"  val {m['val/reward']:.3f}±{m['val/reward_se']:.3f}" if "val/reward" in m else ""
-    loss = f"  loss {m['train/loss']:+.4f}" if "train/loss" in m else ""
-    return (
-        f"iter {it}/{total}  reward {m['rollout/reward_mean']:.3f}{val}{loss}  "
-        f"{m['rollout/tokens_per_s']:.0f} tok/s  gen {m['time/rollout_s']:.1f}s score {m['time/score_s']:.1f}s "
-        f"train {m['time/train_s']:.1f}s sync {m['time/sync_s']:.1f}s"
-    )
-
-
-def _budget_text(done: int, total: int, budget: TimeBudget) -> str:
-    limit = "" if budget.limit_s is None else f" of the {budget.limit_s / 60:.4g}-minute budget"
-    text = f"reached iteration {done} of {total} in {budget.elapsed_s() / 60:.1f} minutes{limit}"
-    if budget.limit_s is not None and done == 0 and total > 0:  # e.g. a slow CPU: evaluations ate the budget
-        text += (f": no iteration fitted beside the {budget.reserve_s / 60:.1f} minutes kept for the last "
-                 "evaluation; raise loop.time_budget_min")
-    return text
-
-
-def _val_text(val: EvalResult) -> str:
-    return _val_text_dict(val.summary())
-
-
-def _val_text_dict(v: dict[str, Any]) -> str:
-    chance = "unknown" if v.get("chance") is None else f"{v['chance']:.3f}"
-    constant = "" if v.get("constant") is None else f", best constant answer {v['constant']:.3f}"
-    level = "" if v.get("difficulty") is None else f" at difficulty {v['difficulty']}"
-    return (f"{v['avg']:.3f} ± {v['avg_se']:.3f} (avg@{v['k']} over {v['problems']} problems{level}; "
-            f"chance {chance}{constant})")
-
-
-def _final_checks(run: Run, after: dict[str, Any], ablated: dict[str, Any] | None) -> list[str]:
-    """The trained policy against the best constant answer and, with eval.ablate_clues, against
-    itself without the clues: both paired per problem, in standard errors."""
-    margin = constant_margin_line(constant_margin(run.task, run.eval_problems, after["per_problem"]))
-    lines = [margin] if margin else []
-    if ablated is not None:
-        diff, se = mean_se([b - a for a, b in zip(after["per_problem"], ablated["per_problem"], strict=True)])
-        lines.append(f"clues removed: {ablated['avg']:.3f} ± {ablated['avg_se']:.3f}, paired difference "
-                     f"{diff:+.3f} ± {se:.3f} ({diff / se if se else 0.0:+.1f} SE)")
-    return lines
-
-
-def _gain_text(before: dict[str, Any], after: dict[str, Any]) -> str:
-    """The gain with its paired standard error (the same problems and sampling seeds both times)."""
-    diffs = [a - b for a, b in zip(after["per_problem"], before["per_problem"], strict=True)]
-    gain, se = mean_se(diffs)
-    return f"gain {gain:+.3f} ± {se:.3f} ({gain / se if se else 0.0:+.1f} SE, paired)"
