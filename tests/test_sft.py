@@ -158,6 +158,19 @@ def test_bad_input_is_one_line_and_exit_2(tiny_model_dir: Path, tmp_path: Path, 
     assert not (tmp_path / "r").exists()
 
 
+def test_a_spent_budget_says_so_and_a_resume_without_it_goes_on(tiny_model_dir: Path, tmp_path: Path,
+                                                               capsys) -> None:
+    run = tmp_path / "r"
+    # A budget spent before the first step (the model's loading alone takes longer).
+    assert main(["sft", *settings(tiny_model_dir, time_budget_min=0.0001), "--out", str(run)]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith("sft: 0 steps (none in this call); sft.time_budget_min=0.0001 ended it before "
+                           f"sft.steps=3 (to go on: sleuth sft --resume {run} sft.time_budget_min=null)"), line
+    assert main(["sft", "--resume", str(run), "sft.time_budget_min=null"]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith("sft: 3 steps, loss ") and "time_budget_min" not in line, line
+
+
 def test_resume_of_a_folder_that_is_no_run(tmp_path: Path, capsys) -> None:
     assert main(["sft", "--resume", str(tmp_path)]) == 2
     assert "not a sleuth run directory" in capsys.readouterr().err

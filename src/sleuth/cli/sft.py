@@ -12,6 +12,7 @@ from sleuth.system import fsio
 
 if TYPE_CHECKING:
     from sleuth.config import Config
+    from sleuth.loop.sft import SftResult
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -59,9 +60,19 @@ def _sft(cfg: Config, run_dir: Path, resume: bool) -> int:
         print(f"sleuth: interrupted after step {result.steps}; checkpoint saved. "
               f"Continue with: sleuth sft --resume {run_dir}", file=sys.stderr)
         return 128 + int(signum)
-    first = "n/a" if result.first_loss is None else f"{result.first_loss:.4f}"
-    last = "n/a" if result.last_loss is None else f"{result.last_loss:.4f}"
-    print(f"sft: {result.steps} steps, loss {first} -> {last}; start RL with: sleuth train "
+    print(f"sft: {_steps_text(cfg, run_dir, result)}; start RL with: sleuth train "
           f"model.init={run_dir} task.temporal_clue.reasoning=deduce rollout.max_tokens={cfg.rollout.max_tokens}")
     print(f"steps={result.steps}")
     return 0
+
+
+def _steps_text(cfg: Config, run_dir: Path, result: SftResult) -> str:
+    """The steps taken and their loss; why the run stopped short of sft.steps, and how to go on."""
+    if result.steps_this_call:
+        text = f"{result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
+    else:
+        text = f"{result.steps} steps (none in this call)"
+    if result.budget_spent:
+        text += (f"; sft.time_budget_min={cfg.sft.time_budget_min:g} ended it before sft.steps={cfg.sft.steps} "
+                 f"(to go on: sleuth sft --resume {run_dir} sft.time_budget_min=null)")
+    return text

@@ -38,6 +38,9 @@ class SftResult:
     last_loss: float | None
     interrupted: bool = False
     stop_signal: int = 0
+    budget_spent: bool = False
+    """sft.time_budget_min ended the run before sft.steps (a resume with a larger budget, or none, goes on)."""
+    steps_this_call: int = 0
 
 
 DEDUCE_MAX_TOKENS = 512
@@ -123,7 +126,8 @@ def sft(cfg: Config, run_dir: Path, resume: bool = False, elapsed_before_s: floa
         if step > saved_at or (step == 0 and latest is None):
             save()
     first = losses[0] if losses else None
-    return SftResult(step, first, losses[-1] if losses else None, flag.requested, flag.signum)
+    spent = step < cfg.sft.steps and not flag.requested
+    return SftResult(step, first, losses[-1] if losses else None, flag.requested, flag.signum, spent, len(losses))
 
 
 DONE_FILE = "done.json"
