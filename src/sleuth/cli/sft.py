@@ -68,10 +68,10 @@ def _sft(cfg: Config, run_dir: Path, resume: bool) -> int:
 
 def _steps_text(cfg: Config, run_dir: Path, result: SftResult) -> str:
     """The steps taken and their loss; why the run stopped short of sft.steps, and how to go on."""
-    if result.steps_this_call:
-        text = f"{result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
-    else:
+    if result.first_loss is None or result.last_loss is None:  # the losses are this call's steps'
         text = f"{result.steps} steps (none in this call)"
+    else:
+        text = f"{result.steps} steps, loss {result.first_loss:.4f} -> {result.last_loss:.4f}"
     if result.budget_spent:
         text += (f"; sft.time_budget_min={cfg.sft.time_budget_min:g} ended it before sft.steps={cfg.sft.steps} "
                  f"(to go on: sleuth sft --resume {run_dir} sft.time_budget_min=null)")

@@ -40,7 +40,6 @@ class SftResult:
     stop_signal: int = 0
     budget_spent: bool = False
     """sft.time_budget_min ended the run before sft.steps (a resume with a larger budget, or none, goes on)."""
-    steps_this_call: int = 0
 
 
 DEDUCE_MAX_TOKENS = 512
@@ -127,7 +126,7 @@ def sft(cfg: Config, run_dir: Path, resume: bool = False, elapsed_before_s: floa
             save()
     first = losses[0] if losses else None
     spent = step < cfg.sft.steps and not flag.requested
-    return SftResult(step, first, losses[-1] if losses else None, flag.requested, flag.signum, spent, len(losses))
+    return SftResult(step, first, losses[-1] if losses else None, flag.requested, flag.signum, spent)
 
 
 DONE_FILE = "done.json"
