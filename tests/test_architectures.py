@@ -295,7 +295,7 @@ def test_train(arch: str, tmp_path: Path, lowercase_task: Path, capsys: pytest.C
 @pytest.fixture(scope="module")
 def vllm_engines(tmp_path_factory: pytest.TempPathFactory):
     """One vLLM engine at a time: asking for another architecture closes the previous engine (two
-    in-process vLLM engines share vLLM's process-wide state; see vllm_engine._live_engines).
+    in-process vLLM engines share vLLM's process-wide state; see vllm_runtime.count_live_engines).
 
     The transformers models the tests compare against are built before the engine starts, as
     `sleuth train` builds its policy before its engine: vLLM serves some architectures (OLMo 2,

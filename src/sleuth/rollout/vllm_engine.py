@@ -31,7 +31,6 @@ import os
 import queue
 import shutil
 import tempfile
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -56,6 +55,7 @@ from sleuth.rollout.base import (
     sample_seed,
 )
 from sleuth.rollout.limiter import KVLimiter
+from sleuth.rollout.vllm_runtime import count_live_engines, release_kv_cache, stat_counter
 from sleuth.rollout.vllm_weights import (
     full_sync_refusal,
     load_error,
@@ -94,27 +94,6 @@ class _Call:
     in_flight: bool = False
     """Runs between two engine steps, not after the rollouts queued before it (a weight update
     with in_flight_updates: fn preempts the samples in flight itself)."""
-
-
-_LIVE = [0]
-_LIVE_LOCK = threading.Lock()
-
-
-def _live_engines(change: int) -> None:
-    """Count the in-process vLLM engines; when the last one closes, drop vLLM's process-wide
-    parallel groups. vLLM keeps them in module globals, and an engine started later in the same
-    process would otherwise reuse the first engine's groups (a mixture-of-experts model after a
-    dense one then finds no expert-parallel group and fails to load)."""
-    with _LIVE_LOCK:
-        _LIVE[0] += change
-        if change < 0 and _LIVE[0] == 0:
-            from vllm.distributed.parallel_state import (
-                destroy_distributed_environment,
-                destroy_model_parallel,
-            )
-
-            destroy_model_parallel()
-            destroy_distributed_environment()
 
 
 class VLLMEngine(RolloutEngine):
@@ -162,7 +141,7 @@ class VLLMEngine(RolloutEngine):
         self._error: BaseException | None = None
         self._wait(self._worker.submit(self._start), "vLLM engine start-up", startup_timeout_s)
         self._loop_future = self._worker.submit(self._loop)
-        _live_engines(+1)
+        count_live_engines(+1)
 
     # ------------------------------------------------------------------ start-up
 
@@ -188,7 +167,7 @@ class VLLMEngine(RolloutEngine):
             args["enforce_eager"] = self.on_cpu
         try:
             self._engine = LLMEngine.from_engine_args(
-                EngineArgs(**args), stat_loggers=[self._stat_logger_factory()]
+                EngineArgs(**args), stat_loggers=[stat_counter(self._counts)]
             )
         except Exception as e:  # vLLM's model code refuses architectures in many ways (KeyError, assert)
             raise UserError(f"vLLM cannot load the model in {self.model_path}: {load_error(e)}; "
@@ -206,30 +185,6 @@ class VLLMEngine(RolloutEngine):
         # vLLM's block pool keeps one block aside as its "null block".
         usable = int(cache.num_gpu_blocks) - 1
         self.limiter = KVLimiter(usable, int(cache.block_size), max_sequences=max_seqs)
-
-    def _stat_logger_factory(self) -> Callable[[Any, int], Any]:
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
-        counts = self._counts
-
-        class _Counter(StatLoggerBase):
-            """Reads vLLM's per-step stats objects: preemptions and prefix-cache hits."""
-
-            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
-
-            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                       engine_idx: int = 0) -> None:
-                if iteration_stats is not None:
-                    counts["preemptions"] += iteration_stats.num_preempted_reqs
-                if scheduler_stats is not None:
-                    counts["prefix_queries"] += scheduler_stats.prefix_cache_stats.queries
-                    counts["prefix_hits"] += scheduler_stats.prefix_cache_stats.hits
-
-            def log_engine_initialized(self) -> None:
-                pass
-
-        return _Counter
 
     # ------------------------------------------------------------------ interface
 
@@ -321,7 +276,7 @@ class VLLMEngine(RolloutEngine):
         def release() -> int:
             if not self._engine.reset_prefix_cache():  # a block still in use: keep everything
                 return 0
-            return sum(self._engine.collective_rpc(_release_kv_cache))
+            return sum(self._engine.collective_rpc(release_kv_cache))
 
         return int(self._call(release, "KV cache release (release_memory)"))
 
@@ -347,7 +302,7 @@ class VLLMEngine(RolloutEngine):
             pass
         if self._lora_dir is not None:
             shutil.rmtree(self._lora_dir, ignore_errors=True)
-        _live_engines(-1)
+        count_live_engines(-1)
         super().close()
 
     # ------------------------------------------------------------------ driver thread
@@ -518,13 +473,3 @@ def _run_call(call: _Call) -> None:
             call.future.set_result(call.fn())
         except BaseException as e:
             call.future.set_exception(e)
-
-
-def _release_kv_cache(worker: Any) -> int:
-    """Runs on vLLM's worker (in this process): its KV cache tensors' pages back to the system."""
-    from sleuth.system.allocator import release_pages
-
-    runner = getattr(worker, "worker", worker).model_runner
-    return release_pages(runner.kv_caches)
-
-
