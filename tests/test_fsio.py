@@ -85,6 +85,41 @@ def test_clean_leftovers_spares_live_writers(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
 
 
+# Run in its own process: a file-size limit (RLIMIT_FSIZE, with SIGXFSZ ignored so that a write past
+# it fails with EFBIG) stands in for a full disk, as the real writers meet it.
+_LIMITED_WRITERS = r"""
+import resource, signal, sys
+from pathlib import Path
+import torch
+from safetensors.torch import save_file
+from sleuth.errors import UserError
+from sleuth.system import fsio
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+target = Path(sys.argv[1])
+with fsio.atomic_folder(target) as tmp:
+    (tmp / "old.txt").write_text("complete")
+resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
+writers = {"safetensors": lambda p: save_file({"w": torch.zeros(1 << 18)}, str(p)),
+           "torch": lambda p: torch.save({"w": torch.zeros(1 << 18)}, p)}
+for name, write in writers.items():
+    try:
+        with fsio.atomic_folder(target) as tmp:
+            write(tmp / "big")
+    except UserError as e:
+        print(name, e)
+"""
+
+
+def test_a_native_writer_failing_on_the_disk_is_a_one_line_error_and_keeps_the_old_target(tmp_path):
+    target = tmp_path / "checkpoint"
+    out = subprocess.run([sys.executable, "-c", _LIMITED_WRITERS, str(target)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [f"{name} cannot write {target}: File too large" for name in ("safetensors", "torch")]
+    assert read_tree(target) == {"old.txt": b"complete"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+
+
 def test_check_writable_names_path_and_cause(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(UserError, match="is a file, not a folder"):

@@ -238,14 +238,19 @@ class CheckpointManager:
         `state` must be JSON-serializable; its "val_reward" (if any) ranks the checkpoint for `best`.
         """
         final = self.directory / f"iter-{iteration:06d}"
-        with fsio.atomic_folder(final) as tmp:
-            policy.save(tmp / "policy")
-            torch.save(trainer.state_dict(), tmp / TRAINER_FILE)
-            (tmp / RNG_FILE).write_text(json.dumps(rng_state()))
-            if metrics_file is not None and metrics_file.exists():
-                (tmp / "metrics.jsonl").write_bytes(metrics_file.read_bytes())
-            (tmp / STATE_FILE).write_text(json.dumps({"iteration": iteration, **state}, indent=1))
-            write_manifest(tmp)  # last: a checkpoint with a manifest is complete
+        try:
+            with fsio.atomic_folder(final) as tmp:
+                policy.save(tmp / "policy")
+                torch.save(trainer.state_dict(), tmp / TRAINER_FILE)
+                (tmp / RNG_FILE).write_text(json.dumps(rng_state()))
+                if metrics_file is not None and metrics_file.exists():
+                    (tmp / "metrics.jsonl").write_bytes(metrics_file.read_bytes())
+                (tmp / STATE_FILE).write_text(json.dumps({"iteration": iteration, **state}, indent=1))
+                write_manifest(tmp)  # last: a checkpoint with a manifest is complete
+        except UserError as e:  # e.g. a full disk: the half-written copy is gone, older ones stay
+            last = self.latest()
+            kept = f"; {last.path.name} is intact and --resume continues from it" if last else ""
+            raise UserError(f"{e}{kept}") from None
         self.prune()
         return final
 

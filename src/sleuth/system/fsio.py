@@ -15,7 +15,8 @@ the two renames leaves the target missing and the complete old copy aside, and `
 
 Leftovers of a killed writer (temporary or aside folders whose pid is dead) are removed by
 `clean_leftovers(parent)`. Errors of the environment (read-only folder, full disk, a folder where a
-file is expected) become one-line `UserError`s naming the path and the cause.
+file is expected) become one-line `UserError`s naming the path and the cause, also where a native
+writer (safetensors, torch.save) reports them in its own exception type.
 """
 
 from __future__ import annotations
@@ -216,8 +217,36 @@ def atomic_folder(target: str | Path) -> Iterator[Path]:
         _fsync_path(target.parent)
     except OSError as e:
         raise environment_error(e, "cannot write", target) from None
+    except Exception as e:  # a native writer's own error type (safetensors, torch's archive writer)
+        cause = _write_failure_cause(e, tmp)
+        if cause is None:
+            raise
+        raise environment_error(cause, "cannot write", target) from None
     finally:
         _delete_tree(tmp)
+
+
+_OS_ERROR_TAG = re.compile(r"\(os error (\d+)\)")
+_PROBE_BYTES = 1 << 20
+
+
+def _write_failure_cause(err: Exception, folder: Path) -> OSError | None:
+    """The OSError behind a native writer's failure, or None when the environment is not at fault.
+    safetensors' Rust errors end in "(os error N)"; torch's archive writer says only "unexpected
+    pos", so a 1 MiB probe written beside the half-written files (still there) shows whether the disk
+    is full (or a file-size limit reached)."""
+    found = _OS_ERROR_TAG.search(str(err))
+    if found:
+        code = int(found.group(1))
+        return OSError(code, os.strerror(code))
+    try:
+        with tempfile.TemporaryFile(dir=folder) as f:
+            f.write(bytes(_PROBE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return OSError(e.errno, e.strerror)  # without the probe's own name
+    return None
 
 
 def _pid_alive(path: Path) -> bool:
