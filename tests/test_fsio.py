@@ -58,6 +58,19 @@ def test_failed_folder_write_keeps_old_target(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
+def test_a_writers_own_error_after_it_removed_its_folder_propagates_unchanged(tmp_path):
+    """Only the environment's failures become one-line errors: the disk probe sits in the target's
+    parent, so a writer that deleted its temporary folder and then failed is not reported as a
+    missing folder."""
+    import shutil
+
+    target = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="the writer's own bug"), fsio.atomic_folder(target) as tmp:
+        shutil.rmtree(tmp)
+        raise RuntimeError("the writer's own bug")
+    assert not target.exists()
+
+
 def test_aside_protocol_and_recovery_after_a_crash_between_renames(tmp_path, monkeypatch):
     target = tmp_path / "model"
     with fsio.atomic_folder(target) as tmp:

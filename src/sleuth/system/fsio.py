@@ -218,7 +218,7 @@ def atomic_folder(target: str | Path) -> Iterator[Path]:
     except OSError as e:
         raise environment_error(e, "cannot write", target) from None
     except Exception as e:  # a native writer's own error type (safetensors, torch's archive writer)
-        cause = _write_failure_cause(e, tmp)
+        cause = _write_failure_cause(e, target.parent)
         if cause is None:
             raise
         raise environment_error(cause, "cannot write", target) from None
@@ -233,8 +233,9 @@ _PROBE_BYTES = 1 << 20
 def _write_failure_cause(err: Exception, folder: Path) -> OSError | None:
     """The OSError behind a native writer's failure, or None when the environment is not at fault.
     safetensors' Rust errors end in "(os error N)"; torch's archive writer says only "unexpected
-    pos", so a 1 MiB probe written beside the half-written files (still there) shows whether the disk
-    is full (or a file-size limit reached)."""
+    pos", so a 1 MiB probe written on the same disk shows whether the disk
+    is full (or a file-size limit reached). The probe goes into the target's parent folder, which
+    is there whatever the writer did to its own temporary folder."""
     found = _OS_ERROR_TAG.search(str(err))
     if found:
         code = int(found.group(1))
