@@ -27,7 +27,7 @@ def split_into_packages(data: bytes, root: Path, prefix: str, n: int) -> aliases
         (pkg / "data" / f"part0{i}.bin").write_bytes(data[(i - 1) * size:i * size])
         parts.append((f"{prefix}{i}", f"data/part0{i}.bin"))
     return aliases.GgufAlias(name=f"{prefix}-model", parts=tuple(parts), install="pip install THEM",
-                             sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+                             joined=(len(data), hashlib.sha256(data).hexdigest()))
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def test_a_split_alias_joins_its_parts_in_order_and_checks_them(packages, tmp_pa
     middle = packages / "fakeparts2" / "data" / "part02.bin"
     middle.write_bytes(b"X" + middle.read_bytes()[1:])
     with pytest.raises(UserError, match=r"the joined file is 256,004 bytes with sha256 [0-9a-f]{64}, "
-                                        r"expected 256,004 bytes with sha256 " + alias.sha256 +
+                                        r"expected 256,004 bytes with sha256 " + alias.joined[1] +
                                         r"; refusing to convert it \(reinstall: pip install THEM\)"):
         aliases.gguf_file(alias, tmp_path / "work")
     assert not joined.exists()
@@ -91,7 +91,7 @@ def test_a_split_alias_converts_into_a_model_folder_that_loads(packages, monkeyp
 
 def test_an_altered_alias_is_refused_in_one_line_and_nothing_is_converted(packages, monkeypatch, capsys):
     alias = split_into_packages(b"GGUF" + bytes(1000), packages, "fakebad", 2)
-    monkeypatch.setitem(aliases.ALIASES, alias.name, alias.__class__(**{**alias.__dict__, "sha256": "0" * 64}))
+    monkeypatch.setitem(aliases.ALIASES, alias.name, alias.__class__(**{**alias.__dict__, "joined": (alias.joined[0], "0" * 64)}))
     assert main(["eval", "--model", alias.name, "--task", "temporal_clue", "task.eval_size=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "refusing to convert it" in err[0], err
@@ -116,4 +116,4 @@ def test_the_pinned_requirements_match_the_alias():
     lines = [line for line in pins.splitlines() if line and not line.startswith("#")]
     assert [line.split("==")[0].replace("-", "_") for line in lines] == [p for p, _ in aliases.QWEN_CODER.parts]
     assert all(" --hash=sha256:" in line for line in lines)
-    assert aliases.QWEN_CODER.sha256 in pins
+    assert aliases.QWEN_CODER.joined[1] in pins

