@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -195,6 +196,27 @@ def test_the_file_view_is_an_allow_list(tmp_path):
     # /tmp inside is the call's own work dir
     r = run_python("open('/tmp/x', 'w').write('1')\nimport os\nprint(os.listdir('.'))", LIMITS)
     assert r.reason == "ok" and "x" in r.stdout
+
+
+@root_only
+def test_an_interpreter_under_tmp_is_seen_inside_the_work_dir(monkeypatch):
+    """A checkout or virtual environment under /tmp (a clone in /tmp): /tmp inside is still the
+    call's work dir, and the interpreter's directories are there, read-only, at their own paths."""
+    home = Path(tempfile.mkdtemp(prefix="sleuth-test-venv-", dir="/tmp"))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(home / "venv")], check=True)
+        os.chmod(home, 0o755)
+        python = home / "venv" / "bin" / "python"
+        monkeypatch.setattr(sys, "executable", str(python))
+        code = ("import os, sys\nopen('/tmp/x', 'w').write('1')\n"
+                "try:\n    open(sys.prefix + '/escape', 'w')\nexcept OSError as e:\n    print('refused', e.errno)\n"
+                "print(sys.prefix, os.path.isdir(sys.prefix), 'x' in os.listdir('.'))")
+        r = run_python(code, LIMITS)
+        assert r.reason == "ok", (r.reason, r.stderr[-500:])
+        assert r.stdout.split() == ["refused", "30", str(home / "venv"), "True", "True"], r.stdout  # 30: EROFS
+        assert not (home / "venv" / "escape").exists()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 @root_only

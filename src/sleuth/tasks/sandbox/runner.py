@@ -11,7 +11,8 @@ nothing from sleuth, so it works under `-I` with only the standard library). Thr
    interpreter's own directories, sleuth's own package hidden under an empty tmpfs, since its data
    holds answer keys; /dev with null, zero, full, random, urandom; a fresh /proc of
    this pid namespace; the work dir /sandbox, a size-capped tmpfs owned by the call's uid, also
-   reachable as /tmp), pivots into it, forks the code's process and waits for it. When it exits,
+   reachable as /tmp, where an interpreter directory under the host's /tmp is bound read-only at
+   its own path), pivots into it, forks the code's process and waits for it. When it exits,
    the kernel kills everything left in the namespace.
 3. The code's process: its own uid/gid (no supplementary groups, no new privileges), rlimits
    (CPU seconds, address space, processes, file size: a file or output past the limit fails with
@@ -69,8 +70,16 @@ def _mount(libc, source, target, fstype=None, flags=0, data=None) -> None:
         raise SetupError(f"mount {target.decode()}: {os.strerror(ctypes.get_errno())}")
 
 
+def _in_view(root: str, path: str) -> str:
+    """Where a host path lies in the view at `root`: /tmp is a link to the work dir there, so a
+    path under /tmp (a project or virtual environment cloned under /tmp) lies inside the work dir."""
+    if path == "/tmp" or path.startswith("/tmp/"):
+        return root + WORK + path[len("/tmp"):]
+    return root + path
+
+
 def _bind_ro(libc, src: str, root: str) -> None:
-    target = root + src
+    target = _in_view(root, src)
     if os.path.isdir(src):
         os.makedirs(target, exist_ok=True)
     else:
@@ -81,13 +90,14 @@ def _bind_ro(libc, src: str, root: str) -> None:
 
 
 def python_dirs() -> list[str]:
-    """The interpreter's directories (prefixes and import path), outermost only, /usr's excluded."""
+    """The interpreter's directories (prefixes and import path), outermost only, /usr's excluded
+    (and / or /tmp themselves, which would show the host's whole tree or its other calls' dirs)."""
     found = [os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.base_exec_prefix, sys.exec_prefix,
                                             *sys.path) if p and os.path.isdir(p)]
     system = [os.path.realpath(d) for d in SYSTEM_DIRS if os.path.isdir(d)]
     keep: list[str] = []
     for p in sorted(set(found), key=len):
-        if p != "/" and not any(p == k or p.startswith(k.rstrip("/") + "/") for k in keep + system):
+        if p not in ("/", "/tmp") and not any(p == k or p.startswith(k.rstrip("/") + "/") for k in keep + system):
             keep.append(p)
     return keep
 
@@ -96,6 +106,10 @@ def _build_root(libc, root: str, uid: int, disk_kb: int) -> None:
     """The allow-list file view at `root`, then pivot into it (this mount namespace only)."""
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)
     _mount(libc, "tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    os.makedirs(root + WORK)
+    _mount(libc, "tmpfs", root + WORK, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+           f"mode=0700,uid={uid},gid={uid},size={disk_kb}k,nr_inodes={max(256, disk_kb // 4)}")
+    os.symlink(WORK, root + "/tmp")
     for d in SYSTEM_DIRS:
         if os.path.islink(d):
             os.symlink(os.readlink(d), root + d)
@@ -104,8 +118,8 @@ def _build_root(libc, root: str, uid: int, disk_kb: int) -> None:
     for path in [f for f in ETC_FILES if os.path.isfile(f)] + python_dirs():
         _bind_ro(libc, path, root)
     package = os.path.realpath(os.path.join(os.path.dirname(__file__), "..", ".."))
-    if os.path.isdir(root + package):  # sleuth itself, answer keys in sleuth/data included: an empty dir
-        _mount(libc, "tmpfs", root + package, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k")
+    if os.path.isdir(_in_view(root, package)):  # sleuth itself, answer keys in sleuth/data included: empty
+        _mount(libc, "tmpfs", _in_view(root, package), "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k")
     os.makedirs(root + "/dev")
     _mount(libc, "tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
     for dev in DEVICES:
@@ -117,10 +131,6 @@ def _build_root(libc, root: str, uid: int, disk_kb: int) -> None:
         os.symlink(target, f"{root}/dev/{name}")
     os.makedirs(root + "/proc")
     _mount(libc, "proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    os.makedirs(root + WORK)
-    _mount(libc, "tmpfs", root + WORK, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-           f"mode=0700,uid={uid},gid={uid},size={disk_kb}k,nr_inodes={max(256, disk_kb // 4)}")
-    os.symlink(WORK, root + "/tmp")
     number = SYS_PIVOT_ROOT.get(os.uname().machine)
     if number is None:
         raise SetupError(f"pivot_root: no system call number known for {os.uname().machine}")
