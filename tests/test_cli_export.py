@@ -1,3 +1,4 @@
+import shutil
 from io import StringIO
 
 import pytest
@@ -51,6 +52,24 @@ def test_export_earlier_checkpoint_differs(run_dir, tmp_path):
     first = load_file(str(tmp_path / "first" / "model.safetensors"))
     last = load_file(str(tmp_path / "last" / "model.safetensors"))
     assert any(not torch.equal(first[k], last[k]) for k in first)
+
+
+def test_export_needs_only_the_policy_files_of_a_checkpoint(run_dir, tmp_path, capsys):
+    """trainer.pt deleted to free disk: the weights still export; a damaged weights file does not."""
+    run, _ = run_dir
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    last = sorted((copy / "checkpoints").glob("iter-*"))[-1]
+    (last / "trainer.pt").unlink()
+    assert main(["export", str(copy), "--out", str(tmp_path / "a"), "--checkpoint", last.name]) == 0
+    merged = load_file(str(tmp_path / "a" / "model.safetensors"))
+    final = load_file(str(run / "model" / "model.safetensors"))
+    assert all(torch.equal(merged[k], final[k]) for k in final)
+    weights = next(p for p in (last / "policy").rglob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert main(["export", str(copy), "--out", str(tmp_path / "b"), "--checkpoint", last.name]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "is not usable: policy/" in err and not (tmp_path / "b").exists(), err
 
 
 def test_export_bad_inputs(run_dir, tmp_path, capsys):

@@ -31,15 +31,15 @@ def export_checkpoint(run_dir: Path, which: str, out: Path, cfg: Any = None, ada
     """Merge checkpoint `which` of run_dir into a new HF folder at `out` (written atomically), or
     with adapter_only write its LoRA adapter (adapter_config.json + adapter_model.safetensors)."""
     from sleuth.cli.train import run_config
-    from sleuth.run.checkpoint import CheckpointManager
+    from sleuth.run.checkpoint import POLICY_DIR, CheckpointManager
     from sleuth.train.policy import Policy
 
     cfg = cfg if cfg is not None else run_config(run_dir)
     if adapter_only and not cfg.model.lora.enabled:
         raise UserError(f"--adapter-only: the run in {run_dir} trained full weights, not a LoRA adapter")
-    checkpoint = CheckpointManager(run_dir / "checkpoints").find(which)
+    checkpoint = CheckpointManager(run_dir / "checkpoints").find(which, only=POLICY_DIR)  # weights alone
     policy = Policy.from_config(cfg.model, need_reference=False, device="cpu")
-    policy.load_weights(checkpoint.path / "policy")
+    policy.load_weights(checkpoint.path / POLICY_DIR)
     with fsio.atomic_folder(out) as tmp:
         if adapter_only:
             policy.save(tmp)

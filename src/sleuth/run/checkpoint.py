@@ -44,6 +44,7 @@ STATE_FILE = "state.json"
 MANIFEST_FILE = "manifest.json"
 RNG_FILE = "rng.json"
 TRAINER_FILE = "trainer.pt"
+POLICY_DIR = "policy"
 
 
 class SavesWeights(Protocol):
@@ -105,8 +106,9 @@ def write_manifest(folder: Path) -> None:
     (folder / MANIFEST_FILE).write_text(json.dumps({"format": 2, "files": files}, indent=1))
 
 
-def verify_manifest(folder: Path) -> str | None:
-    """Why the files of `folder` do not match its manifest, or None when they all do."""
+def verify_manifest(folder: Path, only: str | None = None) -> str | None:
+    """Why the files of `folder` (those under its subfolder `only`, if given) do not match its
+    manifest, or None when they all do."""
     try:
         manifest = json.loads((folder / MANIFEST_FILE).read_text())
         files = manifest["files"]
@@ -115,6 +117,8 @@ def verify_manifest(folder: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"unreadable {MANIFEST_FILE} ({type(e).__name__})"
     for name, meta in files.items():
+        if only is not None and not name.startswith(only + "/"):
+            continue
         path = folder / name
         if not path.is_file():
             return f"{name} is missing"
@@ -192,11 +196,12 @@ class CheckpointManager:
             return None
         return max(scored, key=lambda c: (c.val_reward, c.iteration))
 
-    def find(self, which: str) -> CheckpointInfo:
+    def find(self, which: str, only: str | None = None) -> CheckpointInfo:
         """'latest' (the newest that verifies), 'best', or a checkpoint folder name / path; the
-        checkpoint's files are verified against its manifest."""
+        checkpoint's files (those under `only`, e.g. "policy" for a reader of the weights alone)
+        are verified against its manifest."""
         if which == "latest":
-            found = self.newest_valid()
+            found = self.newest_valid(only)
             if found is None:
                 raise UserError(f"no valid checkpoint in {self.directory}")
             return found
@@ -209,15 +214,16 @@ class CheckpointManager:
             found = next((c for c in self.list() if c.path.resolve() == path.resolve()), None)
         if found is None:
             raise UserError(f"no checkpoint '{which}' in {self.directory}")
-        problem = verify_manifest(found.path)
+        problem = verify_manifest(found.path, only)
         if problem is not None:
             raise UserError(f"checkpoint {found.path} is not usable: {problem}")
         return found
 
-    def newest_valid(self) -> CheckpointInfo | None:
-        """The newest checkpoint whose files match its manifest; each newer one is reported skipped."""
+    def newest_valid(self, only: str | None = None) -> CheckpointInfo | None:
+        """The newest checkpoint whose files (under `only`, if given) match its manifest; each newer
+        one is reported skipped."""
         for c in reversed(self.list()):
-            problem = verify_manifest(c.path)
+            problem = verify_manifest(c.path, only)
             if problem is None:
                 return c
             self.warn(f"skipped checkpoint {c.path.name}: {problem}")
@@ -240,7 +246,7 @@ class CheckpointManager:
         final = self.directory / f"iter-{iteration:06d}"
         try:
             with fsio.atomic_folder(final) as tmp:
-                policy.save(tmp / "policy")
+                policy.save(tmp / POLICY_DIR)
                 torch.save(trainer.state_dict(), tmp / TRAINER_FILE)
                 (tmp / RNG_FILE).write_text(json.dumps(rng_state()))
                 if metrics_file is not None and metrics_file.exists():
@@ -291,7 +297,7 @@ class CheckpointManager:
         """Load weights, trainer state and RNG states from a checkpoint; return its state dict."""
         loaded = self.read(checkpoint, trainer=trainer is not None, rng=restore_rng)
         try:
-            policy.load_weights(checkpoint.path / "policy")
+            policy.load_weights(checkpoint.path / POLICY_DIR)
         except UserError:
             raise
         except Exception as e:  # safetensors/peft errors of a malformed file: the checkpoint is unusable
@@ -300,7 +306,7 @@ class CheckpointManager:
         if trainer is not None and loaded.trainer_state is not None:
             trainer_state = loaded.trainer_state
             if "optimizer" not in trainer_state:  # FSDP2 ranks: the optimizer is sharded beside the weights
-                trainer_state = {**trainer_state, "optimizer_dir": str(checkpoint.path / "policy")}
+                trainer_state = {**trainer_state, "optimizer_dir": str(checkpoint.path / POLICY_DIR)}
             try:
                 trainer.load_state_dict(trainer_state)
             except (KeyError, ValueError, TypeError, RuntimeError) as e:

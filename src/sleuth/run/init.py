@@ -30,7 +30,7 @@ def warm_start_dir(run_dir: Path) -> Path:
 
 def init_folder(model_cfg: ModelConfig) -> Path:
     """The weights folder model.init names: a run's latest valid checkpoint, or a policy folder."""
-    from sleuth.run.checkpoint import CheckpointManager
+    from sleuth.run.checkpoint import POLICY_DIR, CheckpointManager
 
     assert model_cfg.init is not None
     path = Path(model_cfg.init).expanduser()
@@ -40,10 +40,10 @@ def init_folder(model_cfg: ModelConfig) -> Path:
         return path
     if (path / "checkpoints").is_dir():
         _check_same_base(path, model_cfg)
-        checkpoint = CheckpointManager(path / "checkpoints").newest_valid()
+        checkpoint = CheckpointManager(path / "checkpoints").newest_valid(only=POLICY_DIR)  # weights alone
         if checkpoint is None:
             raise UserError(f"model.init {path}: the run has no valid checkpoint")
-        return checkpoint.path / "policy"
+        return checkpoint.path / POLICY_DIR
     raise UserError(f"model.init {path}: neither a run directory (no checkpoints/) nor a weights folder")
 
 
