@@ -11,7 +11,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from sleuth.errors import UserError
-from sleuth.run.checkpoint import CheckpointManager
+from sleuth.run.checkpoint import CheckpointManager, verify_manifest, write_manifest
 
 
 class LinearPolicy:
@@ -185,3 +185,19 @@ def test_no_usable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     with pytest.raises(UserError, match=r"iter-000001 is not usable: trainer.pt has .* bytes, the manifest says"):
         mgr.find("iter-000001")
     assert CheckpointManager(tmp_path / "none").restore_latest(policy, opt) is None
+
+
+def test_a_manifest_of_the_wrong_shape_is_unreadable_not_a_crash(tmp_path):
+    folder = tmp_path / "iter-000001"
+    (folder / "policy").mkdir(parents=True)
+    (folder / "policy" / "w.bin").write_bytes(b"1234")
+    (folder / "trainer.pt").write_bytes(b"x")
+    write_manifest(folder)
+    assert verify_manifest(folder) is None and verify_manifest(folder, only="policy") is None
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for files in ([1, 2], {"policy/w.bin": 3}, "text"):
+        (folder / "manifest.json").write_text(json.dumps({**manifest, "files": files}))
+        assert verify_manifest(folder).startswith("unreadable manifest.json"), files
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "files": {"trainer.pt": manifest["files"]["trainer.pt"]}}))
+    assert verify_manifest(folder) is None
+    assert verify_manifest(folder, only="policy") == "manifest.json lists no policy/ files"

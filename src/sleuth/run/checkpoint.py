@@ -112,13 +112,17 @@ def verify_manifest(folder: Path, only: str | None = None) -> str | None:
     try:
         manifest = json.loads((folder / MANIFEST_FILE).read_text())
         files = manifest["files"]
+        if not all(isinstance(name, str) and isinstance(meta, dict) for name, meta in files.items()):
+            raise TypeError("files")
     except FileNotFoundError:
         return f"no {MANIFEST_FILE} (an incomplete save, or written by an older sleuth)"
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"unreadable {MANIFEST_FILE} ({type(e).__name__})"
+    if only is not None:
+        files = {name: meta for name, meta in files.items() if name.startswith(only + "/")}
+        if not files:
+            return f"{MANIFEST_FILE} lists no {only}/ files"
     for name, meta in files.items():
-        if only is not None and not name.startswith(only + "/"):
-            continue
         path = folder / name
         if not path.is_file():
             return f"{name} is missing"
