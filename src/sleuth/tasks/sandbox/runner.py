@@ -118,8 +118,9 @@ def _build_root(libc, root: str, uid: int, disk_kb: int) -> None:
     for path in [f for f in ETC_FILES if os.path.isfile(f)] + python_dirs():
         _bind_ro(libc, path, root)
     package = os.path.realpath(os.path.join(os.path.dirname(__file__), "..", ".."))
-    if os.path.isdir(_in_view(root, package)):  # sleuth itself, answer keys in sleuth/data included: empty
-        _mount(libc, "tmpfs", _in_view(root, package), "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k")
+    hidden = _in_view(root, package)
+    if os.path.isdir(hidden):  # sleuth itself, answer keys in sleuth/data included: an empty dir
+        _mount(libc, "tmpfs", hidden, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k")
     os.makedirs(root + "/dev")
     _mount(libc, "tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
     for dev in DEVICES:
