@@ -95,3 +95,28 @@ def test_listed_choices_are_shuffled_per_question_and_seeded() -> None:
     # The right answer is listed first about as often as chance says (~1/3 here), not always.
     share = first_right[True] / sum(first_right.values())
     assert 0.2 < share < 0.55
+
+
+@pytest.mark.parametrize("rung", ["lookup", "elim1", "elim2"])
+def test_rung_prompts_are_compact_and_read_like_the_published_form(rung: str) -> None:
+    from sleuth.cli.puzzles import puzzle_size
+    from sleuth.tasks.temporal_clue.dataset import parse_choices
+    from sleuth.tasks.temporal_clue.generate import shuffled_choices
+    from sleuth.tasks.temporal_clue.prompt import render_prompt
+
+    for seed in range(1, 21, 2):
+        puzzle = build_puzzle(seed, rung)
+        questions = shuffled_choices(puzzle)
+        compact = puzzle_record(puzzle, list_choices=True)["prompt"]
+        full = render_prompt(puzzle.setting, puzzle.clues, questions, list_choices=True)
+        assert compact == render_prompt(puzzle.setting, puzzle.clues, questions, list_choices=True, compact=True)
+        assert "laid out" not in compact and "Best of luck" not in compact and "Suspects:\n• " in compact
+        assert len(compact) < 0.8 * len(full)
+        # What the grader, the clue ablation and the deduce form read is the same in both forms.
+        assert parse_choices(compact) == parse_choices(full)
+        assert {k: sorted(v) for k, v in parse_choices(compact).items()} == {
+            chr(ord("A") + i): sorted(q.choices) for i, q in enumerate(questions)}
+        s = puzzle.setting
+        assert puzzle_size(compact) == puzzle_size(full) == (len(s.suspects), len(s.weapons), s.num_rooms, 1)
+        clue_part = compact.split("The available clues are as follows:\n\n")[1].split("\n\nPlease answer")[0]
+        assert clue_part.splitlines() == [f"- {c.text(s)}" for c in puzzle.clues]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from collections import Counter
 from typing import Any
@@ -86,21 +85,14 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _section_count(prompt: str, header: str, stop: str) -> int:
-    """Bullet or numbered lines between a header and the next section."""
-    if header not in prompt:
-        return 0
-    body = prompt.split(header, 1)[1].split(stop, 1)[0]
-    return sum(1 for line in body.splitlines() if re.match(r"^\s*(•|\d+\.)\s", line))
-
-
 def puzzle_size(prompt: str) -> tuple[int, int, int, int]:
-    """(suspects, weapons, rooms, times) read back from a prompt's lists (1 time when none listed)."""
-    suspects = _section_count(prompt, "as suspects:", "And the following weapons")
-    weapons = _section_count(prompt, "on the premises:", "The murder could only")
-    rooms = _section_count(prompt, "following rooms:", "The rooms are laid out")
-    times = _section_count(prompt, "following times:", "At every time") or 1
-    return suspects, weapons, rooms, times
+    """(suspects, weapons, rooms, times) read back from a prompt's lists, as the grader reads them
+    (published and compact forms alike; 1 time when none is listed)."""
+    from sleuth.tasks.temporal_clue.dataset import parse_lists
+
+    lists = parse_lists(prompt)
+    return (len(lists.get("SUSPECT", [])), len(lists.get("WEAPON", [])), len(lists.get("ROOM", [])),
+            len(lists.get("TIME", [])) or 1)
 
 
 def _stats(args: argparse.Namespace) -> int:

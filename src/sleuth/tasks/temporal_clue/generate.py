@@ -364,7 +364,8 @@ def puzzle_record(puzzle: Puzzle, list_choices: bool = False) -> dict[str, Any]:
     letters = [chr(ord("A") + i) for i in range(len(questions))]
     return {
         "num_clues": len(puzzle.clues),
-        "prompt": render_prompt(puzzle.setting, puzzle.clues, questions, list_choices),
+        "prompt": render_prompt(puzzle.setting, puzzle.clues, questions, list_choices,
+                                compact=puzzle.difficulty < 1),
         "solution": {a: q.answer for a, q in zip(letters, questions)},
         "seed": puzzle.seed,
         "difficulty": level_name(puzzle.difficulty) if puzzle.difficulty < 1 else puzzle.difficulty,

@@ -1,5 +1,12 @@
 """Puzzle text in the published Temporal Clue shape: story, cast, map, times, motives, rules,
-clues, questions and the answer sheet to fill in."""
+clues, questions and the answer sheet to fill in.
+
+The ladder's rungs (one time, plain-fact clues, ladder.py) are written compactly: a one-line story,
+the lists under short headers, no map (no rung clue is about directions) and no sign-off. The
+sections every reader of a prompt looks for (the lists, the clue header, the questions, the answer
+format: dataset.py, reasoning.py, diagnostics.py) are the same in both forms. A rung prompt is a
+fifth shorter (`elim1` in deduce form with SmolLM2's chat template: 529 -> 424 tokens on average),
+and on a CPU the evaluations and the warm start's steps are bound by prompt tokens."""
 
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ INTRO = (
     "acquaintances to a quiet dinner at Tudor Mansion. By morning the party was over: Mr. Boddy was found "
     "dead in one of the mansion's rooms. The following persons of interest have been identified as suspects:"
 )
+COMPACT_INTRO = "Mr. Boddy was found dead in one of the rooms of Tudor Mansion."
 CHOICES_SUFFIX = " (choose from: {})"
 
 
@@ -48,13 +56,18 @@ def bullets(items: Sequence[str]) -> list[str]:
 
 
 def render_prompt(setting: Setting, clues: Sequence[Clue], questions: Sequence[Question],
-                  list_choices: bool = False) -> str:
-    """The full puzzle text; questions are lettered A, B, ... in the order given."""
+                  list_choices: bool = False, compact: bool = False) -> str:
+    """The full puzzle text; questions are lettered A, B, ... in the order given. `compact`: the
+    rungs' short form (module docstring), for one-time puzzles without spatial clues."""
     width = len(str(setting.num_rooms))
-    lines = [INTRO, "", *bullets(setting.suspects), "", "And the following weapons were found on the premises:", "",
-             *bullets(setting.weapons), "", "The murder could only have occurred in one of the following rooms:", ""]
-    lines += [f"{i + 1:0{width}d}. {name}" for i, name in enumerate(setting.layout.rooms)]
-    lines += ["", "The rooms are laid out as follows:", "", *render_map(setting), ""]
+    rooms = [f"{i + 1:0{width}d}. {name}" for i, name in enumerate(setting.layout.rooms)]
+    if compact:
+        lines = [COMPACT_INTRO, "", "Suspects:", *bullets(setting.suspects), "", "Weapons:", *bullets(setting.weapons),
+                 "", "Rooms:", *rooms, ""]
+    else:
+        lines = [INTRO, "", *bullets(setting.suspects), "", "And the following weapons were found on the premises:",
+                 "", *bullets(setting.weapons), "", "The murder could only have occurred in one of the following rooms:",
+                 "", *rooms, "", "The rooms are laid out as follows:", "", *render_map(setting), ""]
     several_times = setting.num_times > 1
     if several_times:
         lines += ["The exact time of the murder is a bit uncertain, but it has been narrowed down to one of "
@@ -64,14 +77,16 @@ def render_prompt(setting: Setting, clues: Sequence[Clue], questions: Sequence[Q
                   "between rooms as well: a weapon only moved when a suspect carried it, making the same move. "
                   "After the murder, Mr. Boddy's body stayed in the room where he was killed.", ""]
     if setting.motives:
+        items = list(setting.motives)
         if setting.unique_motives:
-            lines += ["Each suspect uniquely had one of the following possible motives for killing Mr. Boddy:", "",
-                      *bullets(setting.motives), ""]
+            header = ("Motives (each suspect had a different one):" if compact else
+                      "Each suspect uniquely had one of the following possible motives for killing Mr. Boddy:")
         else:
             assert setting.motive_counts is not None
             items = [f"{m} ({c} suspect{'s' if c > 1 else ''})" for m, c in zip(setting.motives, setting.motive_counts)]
-            lines += ["Each suspect had one of the following possible motives for killing Mr. Boddy:", "",
-                      *bullets(items), ""]
+            header = ("Motives (each suspect had one):" if compact else
+                      "Each suspect had one of the following possible motives for killing Mr. Boddy:")
+        lines += [header, *([] if compact else [""]), *bullets(items), ""]
     rule = ("For the murder to occur, the murderer and Mr. Boddy must have been alone in a room with at least one "
             "weapon")
     if several_times:
@@ -98,5 +113,6 @@ def render_prompt(setting: Setting, clues: Sequence[Clue], questions: Sequence[Q
     # a small model copies bare placeholders (`A. SUSPECT`) verbatim (see dataset.DESCRIBED).
     lines += [f"{letters[i]}. {DESCRIBED[q.placeholder] if list_choices else q.placeholder}"
               for i, q in enumerate(questions)]
-    lines += ["", "Best of luck, detective."]
+    if not compact:
+        lines += ["", "Best of luck, detective."]
     return "\n".join(lines)

@@ -23,9 +23,8 @@ REASONING_MODES = ("direct", "deduce")
 _CLUES_HEADER = "The available clues are as follows:"
 _FILL_OUT = "Fill out your final answers in the following format:"
 DEDUCE_INSTRUCTION = (
-    f"First write `{DEDUCTIONS_HEADER}` and one short line per question that cites the clues it uses by "
-    "number and what they show, ending with its answer (for example `A: clue 3: the Rope was in the Hall "
-    f"at 11:00 PM => Hall`). Then write `{ANSWERS_HEADER}` and fill out your final answers in the "
+    f"Write `{DEDUCTIONS_HEADER}`, one line per question citing its clues by number (e.g. `A: clue 3: the "
+    f"Rope was in the Hall at 11:00 PM => Hall`), then `{ANSWERS_HEADER}` and your final answers in the "
     "following format:"
 )
 ROOM_TOKENS = {"rung": 192, "level": 256}
