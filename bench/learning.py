@@ -138,6 +138,9 @@ _OVER_WARM: dict[str, list[str]] = {
     # without the SFT phase (RL alone on the deduce form), and answering directly instead of
     # deducing (a warm start on the deduction needs the deduce form, so RL alone there too).
     "no_warm_start": ["sft.warm_start=false"],
+    # The recipe's RL lr until 2026-12-07 afternoon: from the 24-step warm start, 4 RL iterations
+    # at 3e-6 moved a development set +0.3 SE, at 3e-5 +1.6 / +2.0 SE (docs/log.md).
+    "rl_lr_3e-6": ["trainer.lr=3e-6"],
 }
 DIRECT = "temporal_clue_direct"
 """The recipe of the main job until 2026-12-06 (direct answers at difficulty 1, LoRA, 16 held-out

@@ -50,6 +50,9 @@ def test_every_arm_is_a_valid_config_over_its_recipe():
         assert arm(name, "loop.time_budget_min=15", "loop.seed=1").loop.seed == 1, name
     assert arm("default") == load_config(default_config_path())  # the main job as it is now
     assert arm("no_warm_start").sft.warm_start is False and arm("default").sft.warm_start is True
+    # the recipe's earlier RL lr, everything else the default's
+    assert arm("rl_lr_3e-6") == arm("default").model_copy(update={
+        "trainer": arm("default").trainer.model_copy(update={"lr": 3e-6})}) and arm("default").trainer.lr == 3e-5
     direct = load_config(recipes()[learning.DIRECT])
     kl = arm("kl")
     assert kl.algorithm.kl_beta == 0.04 and kl.trainer.lr == direct.trainer.lr
