@@ -20,8 +20,10 @@ import os
 import random
 from pathlib import Path
 
+import peft
 import pytest
 import torch
+from packaging.version import Version
 
 from sleuth.cli import main as sleuth_main
 from sleuth.config import AlgorithmConfig, LoraConfig, ModelConfig, TrainerConfig
@@ -58,13 +60,15 @@ SLEUTH_VLLM_ARCHS=all runs every one, SLEUTH_VLLM_ARCHS=qwen2,olmo2 those (docs/
 what that gave)."""
 MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss", "mistral4", "deepseek_v3", "qwen3_next", "llama4_text",
              "glm4_moe", "deepseek_v32", "deepseek_v4", "qwen3_5_moe_text", "kimi_linear")
-LORA_FROZEN = ("gpt_oss", "mistral4", "deepseek_v3", "qwen3_5_text", "qwen3_next", "llama4_text", "glm4_moe",
-               "deepseek_v32", "deepseek_v4", "qwen3_5_moe_text", "kimi_linear")
+PEFT_ADAPTS_DENSE_MLPS = Version(peft.__version__) >= Version("0.22")
+"""PEFT 0.22 adapts the dense and shared-expert MLPs of DeepSeek V3 / V3.2, GLM-4.5 and Qwen3-Next,
+which 0.21 left frozen (its MoE name mapping sent their gate/up/down names to the expert stacks)."""
+LORA_FROZEN = ("gpt_oss", "mistral4", "qwen3_5_text", "qwen3_next", "llama4_text", "deepseek_v4", "qwen3_5_moe_text",
+               "kimi_linear") + (() if PEFT_ADAPTS_DENSE_MLPS else ("deepseek_v3", "glm4_moe", "deepseek_v32"))
 """Architectures where LoRA ("all-linear") leaves some weight matrices frozen, logged at start-up:
-GPT-OSS's experts and router (not nn.Linear), Mistral 4's and Llama 4's fused experts (PEFT 0.21
-has no expert mapping for them), the dense and shared-expert MLPs of DeepSeek V3, GLM-4.5 and
-Qwen3-Next (PEFT maps their gate/up/down names onto the fused expert stacks), Gated DeltaNet's
-convolution (nn.Conv1d)."""
+GPT-OSS's experts and router (not nn.Linear), Mistral 4's and Llama 4's fused experts (PEFT has no
+expert mapping for them), Gated DeltaNet's convolution (nn.Conv1d), and with PEFT 0.21 the MLPs
+above."""
 GRAD_TOL = 3e-5
 """Relative: float32 sums in another order (packed rows against one sequence at a time). Gemma 4's
 LoRA gradient differed by 1.3e-5 on an AMD EPYC (AVX-512, no AMX); a masking or position error

@@ -30,8 +30,11 @@ ESTIMATE_WINDOW = 3
 
 FINAL_EVAL_MARGIN = 1.15
 """The final evaluation is estimated as this times the measured one before training (completions
-may grow with training, and the export follows it). Measured in the main job: the final evaluation
-took 0.96-1.05 times the first, the clue-ablated repeat 0.81-0.95 (docs/log.md, 2026-12-07)."""
+may grow with training, and the export follows it), and so is its clue-ablated repeat. Measured in
+the main job: the final evaluation took 0.92-1.05 times the first, the clue-ablated repeat
+0.78-0.95. The margin also covers the first iteration, which starts unestimated: with the repeat
+counted at 0.95 instead, a 15-minute run on a 2-core EPYC started its first RL iteration with 5 s
+to spare, took 60 s on it and ended at 15:18 (docs/log.md, 2026-12-07)."""
 
 
 def process_age_s() -> float:

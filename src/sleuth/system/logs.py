@@ -44,6 +44,17 @@ BENIGN: tuple[tuple[str, str, Callable[[Args], bool]], ...] = (
     ("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use", _always),
     ("vllm.v1.engine.input_processor", "Passing raw prompts to InputProcessor is deprecated", _always),
     ("vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend", _always),
+    # vLLM 0.32 on CPU at every engine start: sleuth runs it eager on purpose (no torch.compile, no
+    # CUDA graphs; without Triton the V1 model runner), which these restate.
+    ("vllm.config.vllm", "Enforce eager set", _always),
+    ("vllm.config.vllm", "Inductor compilation was disabled by user settings", _always),
+    ("vllm.config.vllm", "Model Runner V2 requires Triton", _always),
+    ("vllm.platforms.cpu", "Triton is not installed", _always),
+    # Said for every model; only Gated DeltaNet layers keep an SSM state, float32 is the one it supports.
+    ("vllm.platforms.cpu", "Reset SSM cache type to float32", _always),
+    # tcmalloc / libiomp: `sleuth train` preloads mimalloc instead (system/allocator.py), and the
+    # engine's speed is measured as it runs (docs/benchmarks.md, eval_cost and rollout).
+    ("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD", _always),
     # bitsandbytes falls back to its own CPU kernel when the optional `kernels` package is absent.
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward", _always),
 )

@@ -48,10 +48,10 @@ sequences run past the models' 24-token sliding window):
 - **LoRA**: LoRA on all linear layers; the adapter's packed gradients equal the per-sequence ones
   and the merged weights (what weight sync and export send) reproduce the adapted model. Fused MoE
   expert stacks of Qwen3-MoE, Mixtral, OLMoE, DeepSeek V3, GLM-4.5 and Qwen3-Next are adapted too
-  (PEFT wraps them as parameters). What PEFT 0.21 leaves frozen, the policy logs at start-up:
-  GPT-OSS's experts and router (not nn.Linear), Mistral 4's and Llama 4's fused experts, the dense
-  and shared-expert MLPs of DeepSeek V3 / V3.2, GLM-4.5 and Qwen3-Next (PEFT's MoE name mapping
-  sends their gate/up/down names to the expert stacks), the fused experts and routers of Qwen3.5-MoE,
+  (PEFT wraps them as parameters). What PEFT leaves frozen, the policy logs at start-up:
+  GPT-OSS's experts and router (not nn.Linear), Mistral 4's and Llama 4's fused experts, with PEFT
+  0.21 the dense and shared-expert MLPs of DeepSeek V3 / V3.2, GLM-4.5 and Qwen3-Next (its MoE name
+  mapping sends their gate/up/down names to the expert stacks; 0.22 adapts them), the fused experts and routers of Qwen3.5-MoE,
   Kimi Linear and DeepSeek V4, V4's hyper-connection mixers, compressor position biases and grouped
   output projection (an nn.Linear subclass with its own forward), Gated DeltaNet's and Kimi Delta
   Attention's conv1d, and Llama 4's router (an nn.Linear subclass returning a tuple, kept out of
