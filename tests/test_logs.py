@@ -30,8 +30,9 @@ def test_known_benign_warnings_are_dropped_and_others_kept(monkeypatch: pytest.M
     assert os.environ["SLEUTH_LOG"] == "quiet" and os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
     reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     load_log = logging.getLogger("vllm.model_executor.models.utils")
+    env_log = logging.getLogger("vllm.platforms.interface")
     seen = _Collect()
-    for logger in (reload_log, load_log):
+    for logger in (reload_log, load_log, env_log):
         logger.addHandler(seen)
     try:
         reload_log.warning("%s: Failed to load weights", "RotaryEmbedding")
@@ -41,12 +42,15 @@ def test_known_benign_warnings_are_dropped_and_others_kept(monkeypatch: pytest.M
         load_log.warning("Attempted to load weight %s with dtype %s into parameter with dtype %s",
                          "norm.weight", "torch.bfloat16", "torch.float16")
         reload_log.warning("something else entirely")
+        env_log.warning("Unknown vLLM environment variable detected: %s", "VLLM_DIST_IDENT")  # vLLM's own
+        env_log.warning("Unknown vLLM environment variable detected: %s", "VLLM_TYPO")
     finally:
-        for logger in (reload_log, load_log):
+        for logger in (reload_log, load_log, env_log):
             logger.removeHandler(seen)
     assert seen.messages == ["QKVParallelLinear: Failed to load weights",
                              "Attempted to load weight norm.weight with dtype torch.bfloat16 into parameter "
-                             "with dtype torch.float16", "something else entirely"]
+                             "with dtype torch.float16", "something else entirely",
+                             "Unknown vLLM environment variable detected: VLLM_TYPO"]
     configure_logging()  # twice: one filter per message, not two
     assert sum(f.__class__.__name__ == "_DropBenign" for f in reload_log.filters) == 1
 

@@ -30,6 +30,10 @@ def _narrowed_to_run_dtype(args: Args) -> bool:
     return len(args) == 3 and str(args[1]) == "torch.float32" and str(args[2]) in ("torch.bfloat16", "torch.float16")
 
 
+def _own_dist_ident(args: Args) -> bool:
+    return args == ("VLLM_DIST_IDENT",)
+
+
 BENIGN: tuple[tuple[str, str, Callable[[Args], bool]], ...] = (
     # (logger, message start, which of its records) -- why each is benign here
     # At every in-place weight reload on CPU: layers whose tensors are not checkpoint weights (the
@@ -55,6 +59,9 @@ BENIGN: tuple[tuple[str, str, Callable[[Args], bool]], ...] = (
     # tcmalloc / libiomp: `sleuth train` preloads mimalloc instead (system/allocator.py), and the
     # engine's speed is measured as it runs (docs/benchmarks.md, eval_cost and rollout).
     ("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD", _always),
+    # vLLM's CPU worker writes VLLM_DIST_IDENT into os.environ, and the next engine started in
+    # that process, or in a process it starts, finds a VLLM_ variable missing from vLLM's own list.
+    ("vllm.platforms.interface", "Unknown vLLM environment variable detected", _own_dist_ident),
     # bitsandbytes falls back to its own CPU kernel when the optional `kernels` package is absent.
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward", _always),
 )
