@@ -95,6 +95,8 @@ def test_dry_run_rejects_bad_inputs(tiny, tmp_path, capsys, monkeypatch):
           "task.temporal_clue.difficulty=2"],
          "task.temporal_clue.difficulty is a temporal_clue setting; task.name is math"),
         (["train", "--dry-run", "algorithm.entropy_coef=-0.01"], "algorithm.entropy_coef"),
+        (["train", "--dry-run", "task.temporal_clue.deduction_credit=true", "algorithm.credit=sequence"],
+         "task.temporal_clue.deduction_credit=true needs task.temporal_clue.reasoning=deduce and algorithm.credit=answer"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv

