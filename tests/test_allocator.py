@@ -119,3 +119,43 @@ def test_release_pages_gives_a_tensors_memory_back_and_it_reads_zeros():
     assert bool((buffer[: first - start] == 1).all())  # bytes outside whole pages are untouched
     inside.fill_(3)  # and the tensor stays usable: pages come back on the next write
     assert int(buffer.sum()) == 3 * released + (buffer.numel() - released)
+
+
+FRAGMENTED = """
+import ctypes, json
+from sleuth.system.allocator import allocator_in_use, resident_gib, return_free_memory
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+big, small = [], []
+for _ in range(2000):  # 200 MB of 100 kB blocks, each followed by a live 64-byte one
+    block = libc.malloc(100_000)
+    ctypes.memset(block, 1, 100_000)
+    big.append(block)
+    small.append(libc.malloc(64))
+for block in big:
+    libc.free(block)
+held = resident_gib()
+freed = return_free_memory()
+print(json.dumps({"allocator": allocator_in_use(), "held": held, "freed": freed, "after": resident_gib()}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and the allocators' calls are Linux's")
+@pytest.mark.parametrize("allocator", ["glibc", "mimalloc"])
+def test_return_free_memory_hands_freed_blocks_back(allocator):
+    """Freed blocks between live ones stay resident under both allocators (glibc cannot trim past a
+    live chunk, mimalloc waits out its purge delay) until return_free_memory hands them back."""
+    import json
+
+    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MIMALLOC_PURGE_DELAY")}
+    if allocator == "mimalloc":
+        if mimalloc_library() is None:
+            pytest.skip("cmeel-mimalloc is not installed")
+        clean.update(LD_PRELOAD=str(mimalloc_library()), MIMALLOC_PURGE_DELAY=str(PURGE_DELAY_MS))
+    done = subprocess.run([sys.executable, "-c", FRAGMENTED], capture_output=True, text=True, timeout=120, env=clean)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["allocator"].startswith(allocator)
+    assert got["held"] > 0.15  # the 200 MB were still resident after free()
+    assert got["freed"] > 0.15 and got["after"] < got["held"] - 0.15

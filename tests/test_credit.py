@@ -84,11 +84,41 @@ def test_each_answer_takes_its_own_advantage(tokenizer, task):
             line = next((p for p in parts.values() if p.start <= begins[k] and ends[k] <= p.end and ends[k] > begins[k]),
                         None)
             want = group.advantages[i] if line is None else expected[line.key][i]
+            if i == 3 and begins[k] >= len(c.text):  # its ending: stopping left C out
+                want += expected["C"][3]
             assert adv == pytest.approx(want), (i, k, c.text[begins[k]:ends[k]])
-    # "Let me think." and every newline and EOS keep the sequence advantage.
+    # "Let me think." and every newline keep the sequence advantage.
     first = group.completions[3]
     assert first.token_advantages[0] == pytest.approx(group.advantages[3])
     assert 0 < metrics["train/answer_credit_frac"] < 1
+    assert metrics["train/stopped_early_frac"] == pytest.approx(0.25)
+
+
+def test_stopping_before_the_last_questions_takes_their_advantage(tokenizer, task):
+    """A question left out by stopping early is pushed like one answered wrong: the ending (EOS)
+    takes its advantage on top of the completion's own. A question skipped in the middle, and a
+    completion with no answer at all, add nothing."""
+    texts = ["A. Mrs. White\nB. Knife\nC. Library",   # all right
+             "A. Mrs. White\nB. Knife\nC. Hall",      # C wrong
+             "A. Mrs. White\nB. Knife",                # C left out by stopping
+             "A. Mrs. White\nC. Library",              # B skipped in the middle
+             "I do not know."]                          # nothing answered
+    group = group_of(tokenizer, texts)
+    for c in group.completions:
+        c.reward = task.score(group.problem, c.text)
+    (group,), _ = compute_advantages([group], "grpo", drop_zero=False)
+    metrics = assign_answer_credit([group], task, "grpo", tokenizer)
+    adv_c = grpo([1, 0, 0, 1, 0])
+    stopped, skipped, silent = group.completions[2:]
+    assert stopped.token_advantages[-1] == pytest.approx(group.advantages[2] + adv_c[2])
+    assert adv_c[2] < 0 and stopped.token_advantages[-1] < group.advantages[2]
+    for k in (1, 3, 4):  # the EOS of the others keeps the completion's own advantage
+        assert group.completions[k].token_advantages[-1] == pytest.approx(group.advantages[k])
+    # Leaving C out now costs what answering it wrong costs, on one token where the choice was made.
+    assert stopped.token_advantages[-1] - group.advantages[2] == pytest.approx(adv_c[1])
+    assert silent.token_advantages == pytest.approx([group.advantages[4]] * len(silent.token_advantages))
+    assert skipped.token_advantages[-1] == pytest.approx(group.advantages[3])
+    assert metrics["train/stopped_early_frac"] == pytest.approx(1 / 4)  # of the four that answered
 
 
 def test_the_configured_estimator_is_applied_per_answer(tokenizer, task):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,8 @@ def test_train_with_a_warm_start_runs_sft_then_rl_and_the_final_checks(tiny_mode
     done = json.loads((run / "sft" / "done.json").read_text())
     assert done["steps"] == 3 and "warm start: 3 steps, loss" in captured.out
     assert f"model.init: starting from {run / 'sft'}" in captured.err  # RL began from the SFT weights
+    assert re.search(r"warm start: \d+\.\d\d GiB returned to the system", captured.err)  # before RL's model
+    assert captured.err.index("returned to the system") < captured.err.index("model.init: starting from")
     assert "against the best constant answer (" in captured.out and "clues removed: " in captured.out
     last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
     assert "val/ablate_clues/reward" in last

@@ -174,7 +174,8 @@ class AlgorithmConfig(Section):
     """Which tokens an advantage reaches. sequence: every token of a completion takes the
     completion's advantage. answer: each graded answer's tokens (Task.answer_parts; Temporal Clue:
     each `A. ...` line) take the advantage of that answer's own reward within its group, computed
-    by algorithm.advantage per question; other tokens keep the completion's (credit.py)."""
+    by algorithm.advantage per question; other tokens keep the completion's, and a completion's
+    ending also takes the advantages of the last questions it stopped before answering (credit.py)."""
     constrained_logprobs: bool = True
     """With rollout.structured_output: the trainer scores the constrained policy the engine sampled
     from (each step's distribution renormalized over the tokens the grammar allowed), so forced

@@ -46,6 +46,7 @@ from sleuth.run.interrupt import InterruptFlag
 from sleuth.run.metrics import MetricsWriter, prefixed, timed
 from sleuth.run.progress import Progress
 from sleuth.system import fsio
+from sleuth.system.allocator import return_free_memory
 from sleuth.system.hardware import reproducible_cpu_math, resolve_dtype
 from sleuth.system.models import resolve_model_path
 from sleuth.system.seeds import derive_seed, seed_everything
@@ -137,6 +138,8 @@ def setup(cfg: Config, run_dir: Path, resume: bool, budget: TimeBudget | None = 
         warm = warm_start(cfg, run_dir, resume, 0.0 if budget is None else budget.elapsed_s(), out)
         if warm is not None and warm.interrupted:
             return warm
+        if warm is not None:  # its model and optimizer are gone: their pages go back before RL's start
+            print(f"warm start: {return_free_memory():.2f} GiB returned to the system", file=sys.stderr)
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.loop.keep_checkpoints)
     policy: Policy | TrainerGroup
     trainer: Trainer | TrainerGroup

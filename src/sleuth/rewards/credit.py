@@ -9,7 +9,14 @@ own small group: question q's rewards across the group's completions (0 where a 
 unanswered) go through the configured estimator, and the tokens of completion i's line q take
 advantage_q(i). Tokens outside every answer (a preamble, newlines, the EOS token) keep the
 completion's own advantage, so reward shaping (over-length penalty, format reward) still reaches
-them. With structured output (sleuth.rollout.constraints) every token but the answers' is forced anyway.
+them. A completion that stops before its last questions lost them by stopping: its ending (the
+tokens after its last answer, EOS included) also takes, added to its own, the advantage of each
+question whose key sorts after every key it answered. Without that, a question answered wrong is
+pushed down while the same question left out is pushed nowhere, and GRPO drifts toward leaving it
+out: 20 RL iterations of the main job stopped writing question E (docs/log.md, 2026-12-07). A
+question skipped in the middle keeps no credit (the next line's label is where that choice was
+made, and it belongs to that line); a completion with no answer at all keeps its own advantage,
+which already says so. With structured output (sleuth.rollout.constraints) every token but the answers' is forced anyway.
 A task may return several parts with one key (Temporal Clue's deduce form with
 task.temporal_clue.deduction_credit: the deduction line and the sheet line of a question): they all
 take that key's advantage, and the first part's reward is the key's.
@@ -89,7 +96,7 @@ def assign_answer_credit(groups: list[Group], task: Task, estimator: str, tokeni
     `format_weight` (algorithm.format_reward) adds each answer's own weighted format score to its
     reward."""
     fn = get_advantage(estimator)
-    credited = total = 0
+    credited = total = stopped_early = answering = 0
     for group in groups:
         assert group.advantages is not None, "compute_advantages first"
         if group.episode_index is not None:  # episodes: sequences of turns, graded as a whole
@@ -102,11 +109,30 @@ def assign_answer_credit(groups: list[Group], task: Task, estimator: str, tokeni
             rewards = [next((_part_reward(p, format_weight) for p in ps if p.key == key), 0.0) for ps in parts]
             per_key[key] = [float(a) for a in fn(rewards)]
         for i, (c, ps) in enumerate(zip(group.completions, parts, strict=True)):
-            owner = token_parts(ps, token_char_ends(tokenizer, c.completion_ids)) if ps else [-1] * len(c.completion_ids)
+            ends = token_char_ends(tokenizer, c.completion_ids)
+            owner = token_parts(ps, ends) if ps else [-1] * len(c.completion_ids)
             c.token_advantages = [group.advantages[i] if j < 0 else per_key[ps[j].key][i] for j in owner]
+            if ps:
+                stopped_early += _credit_the_ending(c.token_advantages, ends, ps, keys, [per_key[k][i] for k in keys])
+                answering += 1
             credited += sum(j >= 0 for j in owner)
             total += len(owner)
-    return {"train/answer_credit_frac": credited / total if total else 0.0}
+    return {"train/answer_credit_frac": credited / total if total else 0.0,
+            "train/stopped_early_frac": stopped_early / answering if answering else 0.0}
+
+
+def _credit_the_ending(advantages: list[float], ends: list[int], parts: list[AnswerPart],
+                       keys: list[str], key_advantages: list[float]) -> bool:
+    """Add to the tokens after the last answer (EOS included) the advantage of every key sorting
+    after all answered keys: the questions this completion left out by stopping (module docstring).
+    Returns whether it left any out."""
+    answered = max(p.key for p in parts)
+    skipped = [a for k, a in zip(keys, key_advantages, strict=True) if k > answered]
+    last_end = max(p.end for p in parts)
+    for t, begin in enumerate([0, *ends[:-1]]):
+        if begin >= last_end:
+            advantages[t] += sum(skipped)
+    return bool(skipped)
 
 
 def _part_reward(part: AnswerPart, format_weight: float) -> float:

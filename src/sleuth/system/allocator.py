@@ -3,6 +3,7 @@ jemalloc or mimalloc to choose.
 
     use_allocator(argv)    # first thing in the CLI: re-executes this process with the allocator preloaded
     release_pages(tensors) # memory a stage keeps but will not read again goes back to the system
+    return_free_memory()   # after a phase whose objects are gone: the allocator's free pages go back now
 
 Why it matters: torch on CPU takes every tensor from malloc. A training step allocates and frees
 activations of many sizes (tens of MB each); glibc serves them from heaps it cannot shrink past a
@@ -27,6 +28,7 @@ arguments and standard streams stay the same.
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib.metadata
 import importlib.util
 import mmap
@@ -146,3 +148,34 @@ def release_pages(tensors: Iterable[Any]) -> int:
             raise OSError(ctypes.get_errno(), f"madvise(MADV_DONTNEED) of {length} bytes failed")
         released += length
     return released
+
+
+def resident_gib() -> float:
+    """This process's resident memory now, GiB (Linux /proc; 0.0 elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
+
+
+def return_free_memory() -> float:
+    """Collect unreachable objects (a finished phase's model and optimizer sit in reference cycles
+    until the cycle collector runs), then hand the allocator's free pages back to the system now:
+    mimalloc's mi_collect(force) when it is preloaded, glibc's malloc_trim otherwise (jemalloc:
+    nothing). Neither lets go of pages it purges lazily on its own: after `sleuth train`'s warm start
+    mimalloc still held 1.34 GiB of a 0.79 GiB process 12 s later (purge delay 10 s; nothing allocated
+    meanwhile), and RL then stood ~0.8 GiB above a run started from the warm start's weights
+    (docs/log.md, 2026-12-07). Returns the GiB the resident set shrank by."""
+    before = resident_gib()
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None)
+        if hasattr(libc, "mi_collect"):
+            libc.mi_collect.argtypes = [ctypes.c_bool]
+            libc.mi_collect(True)
+        elif "jemalloc" not in allocator_in_use():
+            libc.malloc_trim(0)
+    return max(0.0, before - resident_gib())
