@@ -138,7 +138,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool, budget: TimeBudget | None = 
         warm = warm_start(cfg, run_dir, resume, 0.0 if budget is None else budget.elapsed_s(), out)
         if warm is not None and warm.interrupted:
             return warm
-        if warm is not None:  # its model and optimizer are gone: their pages go back before RL's start
+        if warm is not None:  # its model and optimizer are gone: their pages go back before RL's engine starts
             print(f"warm start: {return_free_memory():.2f} GiB returned to the system", file=sys.stderr)
     checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.loop.keep_checkpoints)
     policy: Policy | TrainerGroup

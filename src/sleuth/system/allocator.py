@@ -165,10 +165,11 @@ def return_free_memory() -> float:
     """Collect unreachable objects (a finished phase's model and optimizer sit in reference cycles
     until the cycle collector runs), then hand the allocator's free pages back to the system now:
     mimalloc's mi_collect(force) when it is preloaded, glibc's malloc_trim otherwise (jemalloc:
-    nothing). Neither lets go of pages it purges lazily on its own: after `sleuth train`'s warm start
-    mimalloc still held 1.34 GiB of a 0.79 GiB process 12 s later (purge delay 10 s; nothing allocated
-    meanwhile), and RL then stood ~0.8 GiB above a run started from the warm start's weights
-    (docs/log.md, 2026-12-07). Returns the GiB the resident set shrank by."""
+    nothing). Neither lets go of such pages on its own while nothing is allocated: after a 3-step
+    warm start mimalloc still held 1.34 GiB of a 0.79 GiB process 12 s later (purge delay 10 s).
+    After `sleuth train`'s warm start it returns 2.3-2.9 GiB, so the process stands lower while RL's
+    engine starts and the first evaluation runs; the run's peak, set by RL's steps, moves 0.03 GiB
+    (docs/log.md, 2026-12-08). Returns the GiB the resident set shrank by."""
     before = resident_gib()
     gc.collect()
     if sys.platform.startswith("linux"):
