@@ -252,9 +252,14 @@ def test_kernel_keyrings_carry_nothing_to_the_next_call():
     assert made.stdout.split()[:3] == ["[True,", "True,", "True]"], made.stdout + made.stderr
     find = LIBC + ("print([libc.syscall(250, 10, k, b'user', b'sleuth-note', 0) for k in (-3, -4, -5)],"
                    " libc.getuid())")
-    found = run_python(find, LIMITS)
-    assert found.stdout.split()[-1] == made.stdout.split()[-1]  # the same uid again: lowest free
-    assert found.stdout.split()[:3] == ["[-1,", "-1,", "-1]"], found.stdout
+    uids = []
+    for _ in range(5):  # the same uid again (lowest free) unless another test's call holds it meanwhile
+        found = run_python(find, LIMITS)
+        assert found.stdout.split()[:3] == ["[-1,", "-1,", "-1]"], found.stdout
+        uids.append(found.stdout.split()[-1])
+        if uids[-1] == made.stdout.split()[-1]:
+            break
+    assert uids[-1] == made.stdout.split()[-1], (made.stdout, uids)
 
 
 @root_only

@@ -16,7 +16,8 @@ pushed down while the same question left out is pushed nowhere, and GRPO drifts 
 out: 20 RL iterations of the main job stopped writing question E (docs/log.md, 2026-12-07). A
 question skipped in the middle keeps no credit (the next line's label is where that choice was
 made, and it belongs to that line); a completion with no answer at all keeps its own advantage,
-which already says so. With structured output (sleuth.rollout.constraints) every token but the answers' is forced anyway.
+which already says so. With structured output (sleuth.rollout.constraints) every token but the
+answers' is forced anyway.
 A task may return several parts with one key (Temporal Clue's deduce form with
 task.temporal_clue.deduction_credit: the deduction line and the sheet line of a question): they all
 take that key's advantage, and the first part's reward is the key's.

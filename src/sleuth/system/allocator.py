@@ -166,7 +166,7 @@ def return_free_memory() -> float:
     until the cycle collector runs), then hand the allocator's free pages back to the system now:
     mimalloc's mi_collect(force) when it is preloaded, glibc's malloc_trim otherwise (jemalloc:
     nothing). Neither lets go of such pages on its own while nothing is allocated: after a 3-step
-    warm start mimalloc still held 1.34 GiB of a 0.79 GiB process 12 s later (purge delay 10 s).
+    warm start a mimalloc process stayed at 1.34 GiB for 12 s (purge delay 10 s), 0.79 once called.
     After `sleuth train`'s warm start it returns 2.3-2.9 GiB, so the process stands lower while RL's
     engine starts and the first evaluation runs; the run's peak, set by RL's steps, moves 0.03 GiB
     (docs/log.md, 2026-12-08). Returns the GiB the resident set shrank by."""
