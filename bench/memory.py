@@ -39,17 +39,14 @@ from sleuth.loop import train as loop
 from sleuth.rollout import factory
 from sleuth.rollout.sync import WeightSync
 from sleuth.run.metrics import read_metrics
-from sleuth.system.allocator import allocator_in_use
+from sleuth.system.allocator import allocator_in_use, resident_gib
 from sleuth.system.hardware import cpu_description
 
 GB = 1024**3
 
 
 def rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return round(resident_gib() * GB)
 
 
 class StageMeter:

@@ -110,12 +110,15 @@ def assign_answer_credit(groups: list[Group], task: Task, estimator: str, tokeni
             rewards = [next((_part_reward(p, format_weight) for p in ps if p.key == key), 0.0) for ps in parts]
             per_key[key] = [float(a) for a in fn(rewards)]
         for i, (c, ps) in enumerate(zip(group.completions, parts, strict=True)):
+            if not ps:  # nothing answered: every token keeps the completion's advantage
+                c.token_advantages = [group.advantages[i]] * len(c.completion_ids)
+                total += len(c.completion_ids)
+                continue
             ends = token_char_ends(tokenizer, c.completion_ids)
-            owner = token_parts(ps, ends) if ps else [-1] * len(c.completion_ids)
+            owner = token_parts(ps, ends)
             c.token_advantages = [group.advantages[i] if j < 0 else per_key[ps[j].key][i] for j in owner]
-            if ps:
-                stopped_early += _credit_the_ending(c.token_advantages, ends, ps, keys, [per_key[k][i] for k in keys])
-                answering += 1
+            stopped_early += _credit_the_ending(c.token_advantages, ends, ps, keys, [per_key[k][i] for k in keys])
+            answering += 1
             credited += sum(j >= 0 for j in owner)
             total += len(owner)
     return {"train/answer_credit_frac": credited / total if total else 0.0,
@@ -129,11 +132,13 @@ def _credit_the_ending(advantages: list[float], ends: list[int], parts: list[Ans
     Returns whether it left any out."""
     answered = max(p.key for p in parts)
     skipped = [a for k, a in zip(keys, key_advantages, strict=True) if k > answered]
-    last_end = max(p.end for p in parts)
+    if not skipped:
+        return False
+    last_end, lost = max(p.end for p in parts), sum(skipped)
     for t, begin in enumerate([0, *ends[:-1]]):
         if begin >= last_end:
-            advantages[t] += sum(skipped)
-    return bool(skipped)
+            advantages[t] += lost
+    return True
 
 
 def _part_reward(part: AnswerPart, format_weight: float) -> float:
