@@ -168,8 +168,8 @@ def return_free_memory() -> float:
     nothing). Neither lets go of such pages on its own while nothing is allocated: after a 3-step
     warm start a mimalloc process stayed at 1.34 GiB for 12 s (purge delay 10 s), 0.79 once called.
     After `sleuth train`'s warm start it returns 2.3-2.9 GiB, so the process stands lower while RL's
-    engine starts and the first evaluation runs; the run's peak, set by RL's steps, moves 0.03 GiB
-    (docs/log.md, 2026-12-08). Returns the GiB the resident set shrank by."""
+    engine starts and the first evaluation runs; the run's peak, set later by the evaluations and
+    RL's steps, moves 0.03 GiB (docs/log.md, 2026-12-08). Returns the GiB the resident set shrank by."""
     before = resident_gib()
     gc.collect()
     if sys.platform.startswith("linux"):
